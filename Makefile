@@ -1,0 +1,37 @@
+# Every target sets itself up: a fresh clone needs only Python 3.10+ and make.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test docs bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e '.[test,examples,docs]'
+	touch $(STAMP)
+
+## demo: train the digits MLP with keras_dist.fit and report test accuracy
+demo: $(STAMP)
+	$(PY) examples/train_digits.py
+
+## test: the whole test suite (pytest exit 5, "no tests ran", counts as failure), then the docs build
+test: $(STAMP)
+	@$(PY) -m pytest; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; \
+	exit $$rc
+	$(VENV)/bin/mkdocs build --strict --quiet --site-dir $(VENV)/site
+
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict --site-dir site
+
+## bench: side-by-side benchmarks (installs the bench extra)
+bench: $(STAMP)
+	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) benchmarks/fit_overhead.py
+
+clean:
+	rm -rf $(VENV) site build *.egg-info

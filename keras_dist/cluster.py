@@ -1,0 +1,527 @@
+"""`ClusterConfig`: who is in the cluster and which task this process is.
+
+The same convention as TensorFlow and Kubeflow's TFJob: a cluster is a mapping
+from role (`chief`, `worker`, `ps`, `evaluator`) to a list of `host:port`
+addresses, and a task is one `(role, index)` pair in it. A `ClusterConfig` is
+read from `TF_CONFIG`, from SLURM, from an explicit dict, or made up on
+loopback for a local cluster; it is validated once, on construction, so every
+later step can trust it.
+"""
+
+import dataclasses
+import json
+import os
+import socket
+from typing import Mapping, Optional, Tuple
+
+import tensorflow as tf
+
+ROLES = ("chief", "worker", "ps", "evaluator")
+"""Role names a cluster may contain, in TensorFlow's spelling."""
+
+_TF_CONFIG_EXAMPLE = (
+    '{"cluster": {"worker": ["host1:2222", "host2:2222"]}, '
+    '"task": {"type": "worker", "index": 0}}'
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterConfig:
+    """A validated description of a TensorFlow cluster and of this task in it.
+
+    Build one with `ClusterConfig.from_env()` (reads `TF_CONFIG`, then SLURM),
+    `ClusterConfig.from_tf_config(...)`, `ClusterConfig.from_slurm(...)`,
+    `ClusterConfig.from_dict(...)` or `ClusterConfig.local(...)`. The
+    constructor validates its arguments and raises `ValueError` naming the bad
+    field, the received value and the fix.
+
+    Args:
+        cluster: Mapping. Role name (`"chief"`, `"worker"`, `"ps"`,
+            `"evaluator"`) to a sequence of `"host:port"` addresses.
+        task_type: String or `None`. This process's role; `None` for a
+            template that describes a cluster but no task in it (e.g. what
+            `ClusterConfig.local()` returns).
+        task_index: Integer or `None`. This process's index within its role.
+        rpc_layer: String. Transport TensorFlow uses between tasks.
+            Defaults to `"grpc"`.
+        source: String. Where the description came from (`"TF_CONFIG"`,
+            `"SLURM"`, `"dict"`, `"local"`), used in log lines and errors.
+
+    Example:
+
+    >>> import keras_dist as kd
+    >>> config = kd.ClusterConfig.from_dict({
+    ...     "cluster": {"chief": ["10.0.0.1:2222"],
+    ...                 "worker": ["10.0.0.2:2222", "10.0.0.3:2222"],
+    ...                 "ps": ["10.0.0.4:2222"]},
+    ...     "task": {"type": "worker", "index": 1}})
+    >>> config.strategy_kind
+    'parameter_server'
+    >>> config.task_type, config.task_index, config.is_chief
+    ('worker', 1, False)
+
+    Raises:
+        ValueError: for unknown roles, malformed addresses (missing or bad
+            port), duplicate addresses, a task not in the cluster, a `ps`
+            job without a `chief`, or more than one `chief` / `evaluator`.
+    """
+
+    cluster: Mapping[str, Tuple[str, ...]]
+    task_type: Optional[str] = None
+    task_index: Optional[int] = None
+    rpc_layer: str = "grpc"
+    source: str = "dict"
+
+    def __post_init__(self):
+        where = _where(self.source)
+        if not isinstance(self.cluster, Mapping) or not self.cluster:
+            raise ValueError(
+                f"{where}['cluster'] must be a non-empty mapping from role to a "
+                f"list of 'host:port' addresses. Received: {self.cluster!r}. "
+                f"Example: {_TF_CONFIG_EXAMPLE}"
+            )
+        normalized = {}
+        seen = {}
+        for role, addresses in self.cluster.items():
+            if role not in ROLES:
+                hint = " (TensorFlow's old name for it is 'master'; use 'chief')"
+                raise ValueError(
+                    f"Unknown role {role!r} in {where}['cluster']. Known roles: "
+                    f"{', '.join(ROLES)}."
+                    + (hint if role == "master" else "")
+                )
+            if isinstance(addresses, str) or not isinstance(
+                addresses, (list, tuple)
+            ):
+                raise ValueError(
+                    f"{where}['cluster'][{role!r}] must be a list of "
+                    f"'host:port' strings. Received: {addresses!r}. "
+                    f"Write it as [{addresses!r}] if it is one address."
+                )
+            for index, address in enumerate(addresses):
+                _check_address(address, f"{where}['cluster'][{role!r}][{index}]")
+                if address in seen:
+                    raise ValueError(
+                        f"Duplicate address {address!r} in {where}: used by "
+                        f"{seen[address]} and {role}[{index}]. Every task needs "
+                        "its own host:port."
+                    )
+                seen[address] = f"{role}[{index}]"
+            normalized[role] = tuple(addresses)
+        object.__setattr__(self, "cluster", normalized)
+
+        for role in ("chief", "evaluator"):
+            if len(normalized.get(role, ())) > 1:
+                raise ValueError(
+                    f"{where}['cluster'][{role!r}] has "
+                    f"{len(normalized[role])} addresses; a cluster has at most "
+                    f"one {role}. Make the others 'worker' tasks."
+                )
+        if normalized.get("ps") and not normalized.get("chief"):
+            raise ValueError(
+                f"{where} has 'ps' tasks but no 'chief'. Parameter-server "
+                "training needs a chief task to coordinate it: add "
+                "\"chief\": [\"host:port\"] to the cluster."
+            )
+        if not (normalized.get("worker") or normalized.get("chief")):
+            raise ValueError(
+                f"{where} has no 'worker' or 'chief' task: nobody would train. "
+                f"Received cluster: {normalized!r}."
+            )
+        self._check_task(where, normalized)
+
+    def _check_task(self, where, normalized):
+        if self.task_type is None and self.task_index is None:
+            return
+        if self.task_type not in normalized:
+            raise ValueError(
+                f"{where}['task']['type']={self.task_type!r} is not a role of "
+                f"this cluster. Roles present: {', '.join(normalized)}."
+            )
+        index = self.task_index
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise ValueError(
+                f"{where}['task']['index'] must be an integer. Received: "
+                f"{index!r}."
+            )
+        count = len(normalized[self.task_type])
+        if not 0 <= index < count:
+            raise ValueError(
+                f"{where}['task']['index']={index} is out of range: the cluster "
+                f"has {count} {self.task_type!r} task(s), indices 0..{count - 1}."
+            )
+
+    # ------------------------------------------------------------------ readers
+    @classmethod
+    def from_dict(cls, config, source="dict"):
+        """Builds a `ClusterConfig` from a `TF_CONFIG`-shaped dict.
+
+        Args:
+            config: Dict. `{"cluster": {...}, "task": {"type": ..., "index":
+                ...}, "rpc_layer": ...}`; `task` and `rpc_layer` are optional.
+            source: String. Name of the origin, used in errors. Defaults to
+                `"dict"`.
+
+        Returns:
+            A validated `ClusterConfig`.
+
+        Example:
+
+        >>> import keras_dist as kd
+        >>> kd.ClusterConfig.from_dict(
+        ...     {"cluster": {"worker": ["a:1", "b:1"]}}).num_workers
+        2
+        """
+        where = _where(source)
+        if not isinstance(config, Mapping):
+            raise ValueError(
+                f"{where} must be a JSON object. Received: {config!r}. "
+                f"Example: {_TF_CONFIG_EXAMPLE}"
+            )
+        unknown = set(config) - {"cluster", "task", "rpc_layer", "environment"}
+        if unknown:
+            raise ValueError(
+                f"Unknown key(s) {sorted(unknown)} in {where}. Allowed keys: "
+                "'cluster', 'task', 'rpc_layer', 'environment'."
+            )
+        if "cluster" not in config:
+            raise ValueError(
+                f"{where} has no 'cluster' key. Received: {dict(config)!r}. "
+                f"Example: {_TF_CONFIG_EXAMPLE}"
+            )
+        task = config.get("task") or {}
+        if not isinstance(task, Mapping):
+            raise ValueError(
+                f"{where}['task'] must be an object like "
+                f'{{"type": "worker", "index": 0}}. Received: {task!r}.'
+            )
+        task_type = task.get("type")
+        task_index = task.get("index", 0 if task_type is not None else None)
+        return cls(
+            cluster=config["cluster"],
+            task_type=task_type,
+            task_index=task_index,
+            rpc_layer=config.get("rpc_layer") or "grpc",
+            source=source,
+        )
+
+    @classmethod
+    def from_tf_config(cls, text):
+        """Parses a `TF_CONFIG` JSON string.
+
+        Args:
+            text: String. The JSON text of `TF_CONFIG`.
+
+        Returns:
+            A validated `ClusterConfig`.
+
+        Example:
+
+        >>> import keras_dist as kd
+        >>> kd.ClusterConfig.from_tf_config(
+        ...     '{"cluster": {"worker": ["localhost:2222"]},'
+        ...     ' "task": {"type": "worker", "index": 0}}').task_type
+        'worker'
+        """
+        try:
+            config = json.loads(text)
+        except (TypeError, json.JSONDecodeError) as error:
+            raise ValueError(
+                f"TF_CONFIG is not valid JSON ({error}). Received: "
+                f"TF_CONFIG={text!r}. Set it to a JSON object such as "
+                f"{_TF_CONFIG_EXAMPLE}"
+            ) from None
+        return cls.from_dict(config, source="TF_CONFIG")
+
+    @classmethod
+    def from_slurm(cls, jobs=None, port_base=8888, environ=None):
+        """Reads the cluster of the current SLURM job step.
+
+        Uses TensorFlow's public `tf.distribute.cluster_resolver.
+        SlurmClusterResolver` (which reads `SLURM_PROCID`,
+        `SLURM_STEP_NUM_TASKS`, `SLURM_STEP_NODELIST` and
+        `SLURM_STEP_TASKS_PER_NODE`), then validates the result like any other
+        cluster. It never sets `CUDA_VISIBLE_DEVICES`.
+
+        Args:
+            jobs: Dict or `None`. Role to number of tasks, e.g.
+                `{"chief": 1, "worker": 3, "ps": 1}`. Defaults to every task a
+                `worker`.
+            port_base: Integer. First port on each node. Defaults to `8888`.
+            environ: Mapping or `None`. Environment to read; defaults to
+                `os.environ`.
+
+        Returns:
+            A validated `ClusterConfig`.
+
+        Example:
+
+        >>> import keras_dist as kd
+        >>> env = {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2",
+        ...        "SLURM_STEP_NODELIST": "node[1-2]",
+        ...        "SLURM_STEP_TASKS_PER_NODE": "1(x2)"}
+        >>> config = kd.ClusterConfig.from_slurm(environ=env)
+        >>> config.cluster["worker"], config.task_index
+        (('node1:8888', 'node2:8888'), 1)
+        """
+        env = os.environ if environ is None else environ
+        needed = (
+            "SLURM_PROCID",
+            "SLURM_STEP_NUM_TASKS",
+            "SLURM_STEP_NODELIST",
+            "SLURM_STEP_TASKS_PER_NODE",
+        )
+        missing = [name for name in needed if name not in env]
+        if missing:
+            raise ValueError(
+                f"Not inside a SLURM job step: {', '.join(missing)} not set. "
+                "Start the script with `srun` (one task per process)."
+            )
+        num_tasks = int(env["SLURM_STEP_NUM_TASKS"])
+        jobs = dict(jobs) if jobs else {"worker": num_tasks}
+        if sum(jobs.values()) != num_tasks:
+            raise ValueError(
+                f"jobs={jobs} asks for {sum(jobs.values())} tasks but the SLURM "
+                f"step has SLURM_STEP_NUM_TASKS={num_tasks}. Make them match."
+            )
+        resolver_cls = tf.distribute.cluster_resolver.SlurmClusterResolver
+        with _patched_environ(env, needed):
+            resolver = resolver_cls(
+                jobs=jobs, port_base=port_base, auto_set_gpu=False
+            )
+            spec = resolver.cluster_spec().as_dict()
+        return cls(
+            cluster={role: list(addrs) for role, addrs in spec.items()},
+            task_type=resolver.task_type,
+            task_index=int(resolver.task_id),
+            source="SLURM",
+        )
+
+    @classmethod
+    def from_env(cls, environ=None):
+        """Reads the cluster this process belongs to, if any.
+
+        Order: `TF_CONFIG` if set and non-empty (Kubeflow TFJob, our launcher,
+        hand-written); else a SLURM job step with more than one task; else
+        `None` (a single machine, no cluster).
+
+        Args:
+            environ: Mapping or `None`. Environment to read; defaults to
+                `os.environ`.
+
+        Returns:
+            A `ClusterConfig`, or `None` when no cluster is described.
+
+        Example:
+
+        >>> import keras_dist as kd
+        >>> kd.ClusterConfig.from_env({}) is None
+        True
+        """
+        env = os.environ if environ is None else environ
+        text = env.get("TF_CONFIG", "").strip()
+        if text:
+            return cls.from_tf_config(text)
+        if int(env.get("SLURM_STEP_NUM_TASKS", "1") or 1) > 1:
+            return cls.from_slurm(environ=env)
+        return None
+
+    @classmethod
+    def local(cls, workers=2, ps=0, chief=None, evaluator=False, host="127.0.0.1"):
+        """A cluster on this machine, with free loopback ports.
+
+        Args:
+            workers: Integer. Number of `worker` tasks. Defaults to `2`.
+            ps: Integer. Number of `ps` tasks. Defaults to `0`.
+            chief: Boolean or `None`. Whether to add a `chief` task; `None`
+                adds one exactly when `ps > 0` (parameter-server training needs
+                it). Defaults to `None`.
+            evaluator: Boolean. Whether to add an `evaluator` task.
+            host: String. Loopback address to bind. Defaults to `127.0.0.1`.
+
+        Returns:
+            A `ClusterConfig` template (no task set); use `for_task()` to get
+            each process's own config.
+
+        Example:
+
+        >>> import keras_dist as kd
+        >>> config = kd.ClusterConfig.local(workers=2, ps=1)
+        >>> sorted(config.cluster)
+        ['chief', 'ps', 'worker']
+        >>> config.for_task("worker", 1).task_index
+        1
+        """
+        for name, value in (("workers", workers), ("ps", ps)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(
+                    f"`{name}` must be a non-negative integer. Received: "
+                    f"{name}={value!r}."
+                )
+        if chief is None:
+            chief = ps > 0
+        counts = {"chief": int(chief), "worker": workers, "ps": ps}
+        counts["evaluator"] = int(bool(evaluator))
+        ports = free_ports(sum(counts.values()), host=host)
+        cluster = {}
+        for role in ROLES:
+            if counts[role]:
+                cluster[role] = [f"{host}:{ports.pop()}" for _ in range(counts[role])]
+        return cls(cluster=cluster, source="local")
+
+    # --------------------------------------------------------------- accessors
+    def for_task(self, task_type, task_index=0):
+        """Returns a copy of this config with the task set (validated)."""
+        return dataclasses.replace(self, task_type=task_type, task_index=task_index)
+
+    @property
+    def num_workers(self):
+        """Integer. Number of tasks that compute gradients (chief + workers)."""
+        return len(self.cluster.get("chief", ())) + len(self.cluster.get("worker", ()))
+
+    @property
+    def num_ps(self):
+        """Integer. Number of parameter-server tasks."""
+        return len(self.cluster.get("ps", ()))
+
+    @property
+    def is_chief(self):
+        """Boolean. Whether this task leads: the chief, or worker 0 without one."""
+        if "chief" in self.cluster:
+            return self.task_type == "chief"
+        return self.task_type == "worker" and self.task_index == 0
+
+    @property
+    def address(self):
+        """String or `None`. This task's own `host:port`."""
+        if self.task_type is None:
+            return None
+        return self.cluster[self.task_type][self.task_index]
+
+    @property
+    def strategy_kind(self):
+        """String or `None`. The strategy this cluster implies.
+
+        `"parameter_server"` when there are `ps` tasks; `"multi_worker"` when
+        more than one task trains (chief + workers > 1); `None` otherwise (a
+        one-task cluster trains like a single machine).
+        """
+        if self.num_ps:
+            return "parameter_server"
+        if self.num_workers > 1:
+            return "multi_worker"
+        return None
+
+    def to_dict(self):
+        """The `TF_CONFIG`-shaped dict for this config."""
+        config = {
+            "cluster": {role: list(addrs) for role, addrs in self.cluster.items()}
+        }
+        if self.task_type is not None:
+            config["task"] = {"type": self.task_type, "index": self.task_index}
+        if self.rpc_layer != "grpc":
+            config["rpc_layer"] = self.rpc_layer
+        return config
+
+    def to_tf_config(self):
+        """The `TF_CONFIG` JSON string for this config (to hand to a process)."""
+        return json.dumps(self.to_dict())
+
+    def cluster_spec(self):
+        """This cluster as a `tf.train.ClusterSpec`."""
+        return tf.train.ClusterSpec({r: list(a) for r, a in self.cluster.items()})
+
+    def cluster_resolver(self):
+        """A `tf.distribute.cluster_resolver.SimpleClusterResolver` for it."""
+        return tf.distribute.cluster_resolver.SimpleClusterResolver(
+            self.cluster_spec(),
+            task_type=self.task_type,
+            task_id=self.task_index,
+            rpc_layer=self.rpc_layer,
+        )
+
+    def describe(self):
+        """A one-line human summary, e.g. `2 workers, 1 ps (TF_CONFIG)`."""
+        parts = [
+            f"{len(self.cluster[r])} {r if len(self.cluster[r]) == 1 else r + 's'}"
+            for r in ROLES
+            if r in self.cluster
+        ]
+        me = (
+            f"; this task {self.task_type}:{self.task_index}"
+            if self.task_type is not None
+            else ""
+        )
+        return f"{', '.join(parts)} from {self.source}{me}"
+
+
+def free_ports(count, host="127.0.0.1"):
+    """Returns `count` distinct TCP ports that are free on `host` right now.
+
+    The sockets are held open until all ports are chosen, so the same port is
+    never returned twice; another process may still take one before it is
+    used, which is why launchers bind promptly.
+
+    Example:
+
+    >>> from keras_dist.cluster import free_ports
+    >>> len(set(free_ports(3)))
+    3
+    """
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((host, 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _where(source):
+    return "TF_CONFIG" if source == "TF_CONFIG" else f"cluster ({source})"
+
+
+def _check_address(address, field):
+    if not isinstance(address, str) or not address.strip():
+        raise ValueError(
+            f"{field} must be a 'host:port' string. Received: {address!r}."
+        )
+    host, sep, port = address.rpartition(":")
+    if not sep or not host:
+        raise ValueError(
+            f"{field}={address!r} has no port. Write it as 'host:port', e.g. "
+            f"'{address.strip('[]')}:2222'."
+        )
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(
+            f"{field}={address!r} has an invalid port {port!r}: it must be an "
+            "integer from 1 to 65535."
+        )
+
+
+class _patched_environ:
+    """Lets TF's SLURM resolver (which reads `os.environ`) see `env`.
+
+    Only used when the caller passed its own mapping; restores every variable
+    on exit so no process state changes.
+    """
+
+    def __init__(self, env, names):
+        self._env, self._names, self._saved = env, names, {}
+
+    def __enter__(self):
+        if self._env is os.environ:
+            return
+        for name in self._names:
+            self._saved[name] = os.environ.get(name)
+            os.environ[name] = str(self._env[name])
+
+    def __exit__(self, *exc):
+        for name, value in self._saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

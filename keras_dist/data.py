@@ -1,0 +1,175 @@
+"""Input pipelines for the training loop `keras_dist` owns.
+
+Turns what a user hands to `fit` (arrays, a `tf.data.Dataset`, or a
+`dataset_fn(input_context)`) into a distributed dataset sharded the TF way,
+plus the number of steps in one pass over it. Only used where Keras' own
+data handling cannot be (see `keras_dist.loop`).
+"""
+
+import dataclasses
+from typing import Any, Optional
+
+import numpy as np
+import tensorflow as tf
+
+DEFAULT_BATCH_SIZE = 32
+DEFAULT_SHUFFLE_SEED = 1337
+"""Every worker shuffles with the same seed, so the data shards are disjoint."""
+
+
+@dataclasses.dataclass
+class DistributedInput:
+    """A distributed dataset and how many steps one pass over it takes.
+
+    Attributes:
+        dataset: The `tf.distribute` distributed dataset.
+        steps: Integer or `None` when the length is unknown.
+        repeats: Boolean. Whether one iterator should be kept across epochs
+            (`steps_per_epoch` given) rather than a new one per epoch.
+    """
+
+    dataset: Any
+    steps: Optional[int]
+    repeats: bool = False
+
+
+def is_dataset_fn(x):
+    """Whether `x` is a `dataset_fn(input_context)` rather than data."""
+    return callable(x) and not isinstance(x, (tf.data.Dataset, np.ndarray, tf.Tensor))
+
+
+def split_validation(arrays, validation_split):
+    """Splits off the last `validation_split` fraction, as Keras does.
+
+    Args:
+        arrays: Tuple of array-likes (or nests of them) with a common first
+            dimension; `None` entries stay `None`.
+        validation_split: Float in `[0, 1)`.
+
+    Returns:
+        `(train_arrays, validation_arrays)`.
+    """
+    if not 0.0 < validation_split < 1.0:
+        raise ValueError(
+            "`validation_split` must be in the range (0, 1). Received: "
+            f"validation_split={validation_split}."
+        )
+    n = _num_samples(arrays)
+    split_at = int(n * (1.0 - validation_split))
+    if split_at in (0, n):
+        raise ValueError(
+            f"validation_split={validation_split} of {n} samples leaves one side "
+            "empty. Use more data or a different fraction."
+        )
+    head = tf.nest.map_structure(lambda a: a[:split_at], arrays)
+    tail = tf.nest.map_structure(lambda a: a[split_at:], arrays)
+    return head, tail
+
+
+def from_arrays(x, y=None, sample_weight=None, *, batch_size=None, shuffle=True,
+                class_weight=None, seed=DEFAULT_SHUFFLE_SEED):
+    """A batched `tf.data.Dataset` from arrays, with Keras' `fit` semantics.
+
+    `batch_size` is the global batch size (as in `keras.Model.fit` under a
+    strategy). Shuffling uses a fixed seed so every worker of a multi-worker
+    job draws the same order and the data shards stay disjoint.
+    """
+    if class_weight is not None:
+        if y is None:
+            raise ValueError("`class_weight` needs targets `y`; received y=None.")
+        weights = class_weight_to_sample_weight(y, class_weight)
+        sample_weight = weights if sample_weight is None else (
+            np.asarray(sample_weight, "float32") * weights)
+    arrays = (x,) if y is None else (x, y) if sample_weight is None else (
+        x, y, sample_weight)
+    n = _num_samples(arrays)
+    dataset = tf.data.Dataset.from_tensor_slices(arrays)
+    if shuffle:
+        dataset = dataset.shuffle(n, seed=seed, reshuffle_each_iteration=True)
+    dataset = dataset.batch(batch_size or DEFAULT_BATCH_SIZE)
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = (
+        tf.data.experimental.AutoShardPolicy.DATA)
+    return dataset.with_options(options)
+
+
+def class_weight_to_sample_weight(y, class_weight):
+    """Per-example weights from a `{class_index: weight}` dict."""
+    y = np.asarray(y)
+    labels = np.argmax(y, axis=-1) if y.ndim > 1 and y.shape[-1] > 1 else y.reshape(-1)
+    labels = labels.astype("int64")
+    missing = sorted(set(np.unique(labels)) - set(class_weight))
+    if missing:
+        raise ValueError(
+            f"`class_weight` has no entry for class(es) {missing[:10]}. Received "
+            f"class_weight keys: {sorted(class_weight)}. Give every class a weight."
+        )
+    lookup = np.zeros(int(max(max(class_weight), labels.max())) + 1, "float32")
+    for label, weight in class_weight.items():
+        lookup[int(label)] = weight
+    return lookup[labels]
+
+
+def distribute(strategy, x, y=None, sample_weight=None, *, batch_size=None,
+               shuffle=True, class_weight=None, steps=None, what="x"):
+    """Builds the `DistributedInput` for `x` (and `y`, `sample_weight`).
+
+    Args:
+        strategy: `tf.distribute.Strategy` to shard for.
+        x: Arrays (or a dict / tuple of them), a `tf.data.Dataset` yielding
+            `(x, y[, sample_weight])` batches of the global batch size, or a
+            `dataset_fn(input_context)` returning per-replica batches.
+        steps: Integer or `None`. `steps_per_epoch` / `validation_steps`.
+        what: String. Argument name used in errors.
+    """
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int)
+                              or steps < 1):
+        raise ValueError(f"Steps must be a positive integer. Received: {steps!r}.")
+    if is_dataset_fn(x):
+        if steps is None:
+            raise ValueError(
+                f"`{what}` is a dataset_fn, whose length keras_dist cannot know "
+                "in advance; pass `steps_per_epoch` (and `validation_steps` for "
+                "validation) and make the dataset repeat."
+            )
+        dataset = strategy.distribute_datasets_from_function(x)
+        return DistributedInput(dataset, steps, repeats=True)
+    if isinstance(x, tf.data.Dataset):
+        for name, value in (("y", y), ("sample_weight", sample_weight),
+                            ("class_weight", class_weight)):
+            if value is not None:
+                raise ValueError(
+                    f"`{name}` must be None when `{what}` is a tf.data.Dataset "
+                    "(the dataset yields it). Received a value for it."
+                )
+        dataset = x
+    else:
+        if y is not None and _num_samples((x,)) != _num_samples((y,)):
+            raise ValueError(
+                f"`{what}` and `y` have different numbers of samples: "
+                f"{_num_samples((x,))} and {_num_samples((y,))}. Pass one target "
+                "per input."
+            )
+        dataset = from_arrays(x, y, sample_weight, batch_size=batch_size,
+                              shuffle=shuffle, class_weight=class_weight)
+    cardinality = int(dataset.cardinality())
+    if cardinality == tf.data.INFINITE_CARDINALITY and steps is None:
+        raise ValueError(
+            f"`{what}` is a dataset that repeats forever; pass `steps_per_epoch` "
+            "(or `validation_steps`) so keras_dist knows where an epoch ends."
+        )
+    known = cardinality if cardinality >= 0 else None
+    distributed = strategy.experimental_distribute_dataset(dataset)
+    if steps is not None:
+        return DistributedInput(distributed, steps, repeats=True)
+    return DistributedInput(distributed, known, repeats=False)
+
+
+def _num_samples(arrays):
+    sizes = {int(np.shape(a)[0]) for a in tf.nest.flatten(arrays) if a is not None}
+    if len(sizes) != 1:
+        raise ValueError(
+            "All inputs must have the same number of samples (first dimension). "
+            f"Received sizes: {sorted(sizes)}."
+        )
+    return sizes.pop()

@@ -1,0 +1,196 @@
+"""`fit()` / `evaluate()`: strategy-selecting drop-ins for `keras.Model.fit`.
+
+`fit` resolves the strategy (`resolve_strategy`), makes sure the model lives
+in that strategy's scope, and trains with Keras' own loop wherever it works
+(no strategy, OneDevice, Mirrored) and with `keras_dist.loop` where Keras 3's
+loop fails (MultiWorkerMirrored across processes).
+"""
+
+import logging
+
+import keras
+import tensorflow as tf
+
+from keras_dist import loop
+from keras_dist import strategy as strategy_lib
+from keras_dist.data import is_dataset_fn
+
+logger = logging.getLogger("keras_dist")
+
+
+def fit(model, x=None, y=None, *, strategy="auto", cluster=None, **fit_kwargs):
+    """Trains a Keras model with the right `tf.distribute` strategy.
+
+    Same arguments and return value as `keras.Model.fit`, plus the choice of
+    strategy. The strategy is resolved with `resolve_strategy` (explicit
+    argument > `KERAS_DIST_STRATEGY` > `TF_CONFIG` / SLURM cluster > local
+    GPUs > default) and one log line says which and why.
+
+    `model` is either
+
+    - a zero-argument function that builds and compiles the model
+      (preferred: it is called inside the strategy's scope, so every variable
+      is created where the strategy wants it), or
+    - an already compiled `keras.Model`. If its variables were not created in
+      the strategy's scope it is re-created there: same architecture
+      (`keras.models.clone_model`), same current weights, same compile
+      settings (`get_compile_config`). The optimizer's slot state (e.g.
+      momentum) is not carried over, and the returned History belongs to the
+      copy: use `history.model` to reach it.
+
+    `x` may be arrays (or a dict / tuple of them), a `tf.data.Dataset`
+    yielding batches of the *global* batch size, or a
+    `dataset_fn(input_context)` returning per-replica batches (TF's
+    `distribute_datasets_from_function` convention; needs `steps_per_epoch`).
+    Arrays and datasets are sharded across workers the TF way (a whole batch
+    per step is split over all replicas).
+
+    Args:
+        model: A compiled `keras.Model`, or a function returning one.
+        x: Input data (see above).
+        y: Targets, when `x` is arrays.
+        strategy: String or `tf.distribute.Strategy`. See
+            `resolve_strategy`. Defaults to `"auto"`.
+        cluster: `ClusterConfig`, dict or `None` (read the environment).
+        **fit_kwargs: Any other argument of `keras.Model.fit` (`epochs`,
+            `batch_size`, `callbacks`, `validation_data`, ...).
+
+    Returns:
+        A `keras.callbacks.History`; `history.model` is the trained model.
+
+    Example:
+
+    >>> import numpy as np, keras, keras_dist as kd
+    >>> def build_model():
+    ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    ...     model.compile(optimizer="sgd", loss="mse")
+    ...     return model
+    >>> x, y = np.ones((64, 4)), np.ones((64, 1))
+    >>> history = kd.fit(build_model, x, y, epochs=2, verbose=0)
+    >>> len(history.history["loss"])
+    2
+
+    Raises:
+        TypeError: if `model` is neither a `keras.Model` nor a function
+            returning one.
+        ValueError: if the model is not compiled, or for bad strategy or
+            data arguments (each message names the value and the fix).
+    """
+    dist = strategy_lib.resolve_strategy(strategy, cluster)
+    model = _model_in_scope(model, dist)
+    if _needs_own_loop(dist):
+        return loop.fit_loop(model, dist, x, y, **fit_kwargs)
+    if is_dataset_fn(x):
+        x = dist.distribute_datasets_from_function(x)
+    history = model.fit(x, y, **fit_kwargs)
+    return history
+
+
+def evaluate(model, x=None, y=None, *, strategy=None, **evaluate_kwargs):
+    """Evaluates a model under its strategy; a drop-in for `keras.Model.evaluate`.
+
+    Needed after `fit` under MultiWorkerMirrored, where Keras 3's own
+    `evaluate` fails for the same reasons as its `fit`; elsewhere it simply
+    calls `model.evaluate`. Every worker must call it (it is a collective).
+
+    Args:
+        model: A compiled `keras.Model` (e.g. `history.model`).
+        x: Input data, as for `fit`.
+        y: Targets, when `x` is arrays.
+        strategy: `tf.distribute.Strategy` or `None` for the strategy the
+            model's variables were created under.
+        **evaluate_kwargs: Any other argument of `keras.Model.evaluate`.
+
+    Returns:
+        Like `keras.Model.evaluate`: a scalar, a list, or a dict with
+        `return_dict=True`.
+
+    Example:
+
+    >>> import numpy as np, keras, keras_dist as kd
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> loss = kd.evaluate(model, np.ones((8, 4)), np.ones((8, 1)), verbose=0)
+    >>> isinstance(loss, float)
+    True
+    """
+    dist = strategy or model.distribute_strategy
+    if _needs_own_loop(dist):
+        return loop.evaluate_loop(model, dist, x, y, **evaluate_kwargs)
+    if is_dataset_fn(x):
+        x = dist.distribute_datasets_from_function(x)
+    return model.evaluate(x, y, **evaluate_kwargs)
+
+
+def _needs_own_loop(dist):
+    """Keras 3's fit fails under MultiWorkerMirrored with more than one worker."""
+    if not isinstance(dist, tf.distribute.MultiWorkerMirroredStrategy):
+        return False
+    resolver = dist.cluster_resolver
+    spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
+    return len(spec.get("chief", ())) + len(spec.get("worker", ())) > 1
+
+
+def _model_in_scope(model, dist):
+    if isinstance(model, keras.Model):
+        _check_compiled(model, "The model passed to keras_dist.fit")
+        if _created_in_scope(model, dist):
+            return model
+        return _recreate(model, dist)
+    if not callable(model):
+        raise TypeError(
+            "keras_dist.fit expects a compiled keras.Model or a zero-argument "
+            "function that builds and compiles one. Received: "
+            f"{type(model).__name__}."
+        )
+    with dist.scope():
+        built = model()
+    if not isinstance(built, keras.Model):
+        raise TypeError(
+            f"The model function {getattr(model, '__name__', model)!r} must "
+            f"return a keras.Model; it returned {type(built).__name__}."
+        )
+    _check_compiled(built, f"The model returned by {getattr(model, '__name__', model)!r}")
+    if not _created_in_scope(built, dist):
+        return _recreate(built, dist)
+    return built
+
+
+def _check_compiled(model, what):
+    if not getattr(model, "compiled", False):
+        raise ValueError(
+            f"{what} is not compiled. Call `model.compile(optimizer=..., "
+            "loss=...)` before training."
+        )
+
+
+def _created_in_scope(model, dist):
+    if dist is tf.distribute.get_strategy() and not tf.distribute.has_strategy():
+        return True  # the default strategy: nothing to place
+    variables = model.variables
+    return bool(variables) and all(
+        dist.extended.variable_created_in_scope(v.value) for v in variables
+    )
+
+
+def _recreate(model, dist):
+    try:
+        config = model.get_compile_config()
+        with dist.scope():
+            clone = keras.models.clone_model(model)
+            if model.built and not clone.built:
+                clone.build(model.input_shape)
+            clone.set_weights(model.get_weights())
+            clone.compile_from_config(config)
+    except Exception as error:  # clone_model / compile config can fail many ways
+        raise ValueError(
+            f"keras_dist could not re-create model {model.name!r} inside the "
+            f"{type(dist).__name__} scope ({type(error).__name__}: {error}). "
+            "Pass a function that builds and compiles the model instead; it is "
+            "called inside the scope."
+        ) from error
+    logger.info(
+        "keras_dist: re-created model %r inside the %s scope (weights and "
+        "compile settings copied; optimizer slot state is not)",
+        model.name, type(dist).__name__)
+    return clone

@@ -1,0 +1,249 @@
+"""The synchronous training loop keras_dist owns, for where Keras' is broken.
+
+Keras 3's `Model.fit` fails under a multi-worker `MultiWorkerMirroredStrategy`
+in two places of its own loop (keras-team/keras#20585,
+tensorflow/tensorflow#72388): `_maybe_symbolic_build` asks the strategy to
+reduce the whole `(x, y)` batch tuple, and `reduce_per_replica` reduces scalar
+metrics along an axis they do not have. Neither is in `train_step`.
+
+So this loop keeps everything of Keras that works -- the model's own
+`train_step` / `test_step`, its metrics, `keras.callbacks.CallbackList` with
+the progress bar and `History` -- and replaces only the two broken pieces: it
+runs `train_step` through `strategy.run` inside a `tf.function` and reduces
+each returned value with `strategy.reduce("MEAN", value, axis=None)`, which
+is valid for tensors of any rank. Epoch logs, like Keras', come from the
+metrics read in cross-replica context (summed over every replica of every
+worker).
+
+It works under any synchronous strategy; `keras_dist.fit` uses it only where
+Keras' own loop fails, and the tests check that both give the same weights
+under `MirroredStrategy`.
+"""
+
+import warnings
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_dist import data as data_lib
+
+
+def fit_loop(model, strategy, x=None, y=None, *, batch_size=None, epochs=1,
+             verbose="auto", callbacks=None, validation_split=0.0,
+             validation_data=None, shuffle=True, class_weight=None,
+             sample_weight=None, initial_epoch=0, steps_per_epoch=None,
+             validation_steps=None, validation_batch_size=None,
+             validation_freq=1):
+    """Trains `model` under `strategy`, with `keras.Model.fit`'s arguments.
+
+    `model` must have been built and compiled inside `strategy.scope()`.
+    Returns the `keras.callbacks.History`.
+    """
+    verbose = 1 if verbose == "auto" else verbose
+    if validation_split and validation_data is None:
+        if isinstance(x, tf.data.Dataset) or data_lib.is_dataset_fn(x):
+            raise ValueError(
+                "`validation_split` is only supported for array inputs. "
+                "Pass `validation_data` instead."
+            )
+        (x, y, sample_weight), val = data_lib.split_validation(
+            (x, y, sample_weight), validation_split)
+        validation_data = val
+    train = data_lib.distribute(
+        strategy, x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
+        class_weight=class_weight, steps=steps_per_epoch)
+    val = None
+    if validation_data is not None:
+        val = _distribute_validation(strategy, validation_data,
+                                     validation_batch_size or batch_size,
+                                     validation_steps)
+
+    if not isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks = keras.callbacks.CallbackList(
+            callbacks, add_history=True, add_progbar=verbose != 0,
+            verbose=verbose, epochs=epochs, steps=train.steps, model=model)
+    step_fns = _StepFunctions(model, strategy, model.train_step)
+    eval_fns = _StepFunctions(model, strategy, model.test_step)
+
+    model.stop_training = False
+    callbacks.on_train_begin()
+    logs = {}
+    iterator = iter(train.dataset) if train.repeats else None
+    for epoch in range(initial_epoch, epochs):
+        model.reset_metrics()
+        callbacks.on_epoch_begin(epoch)
+        if not train.repeats:
+            iterator = iter(train.dataset)
+        ran_out = False
+        for begin, end, step_logs in step_fns.steps(iterator, train.steps):
+            if step_logs is None:
+                callbacks.on_train_batch_begin(begin)
+                continue
+            logs = step_logs
+            callbacks.on_train_batch_end(end, logs)
+            if model.stop_training:
+                break
+        else:
+            ran_out = step_fns.ran_out and train.repeats
+        if ran_out:
+            warnings.warn(
+                "Your input ran out of data; interrupting training. Make sure "
+                f"it can generate at least steps_per_epoch * epochs batches "
+                f"({train.steps} * {epochs}); use `.repeat()` on a dataset.",
+                stacklevel=2)
+            model.stop_training = True
+        epoch_logs = dict(_metrics_or_logs(model, logs))
+        if val is not None and _should_eval(epoch, validation_freq):
+            val_logs = _evaluate(model, eval_fns, val, callbacks)
+            epoch_logs.update({"val_" + k: v for k, v in val_logs.items()})
+        callbacks.on_epoch_end(epoch, epoch_logs)
+        if model.stop_training:
+            break
+    callbacks.on_train_end(logs=epoch_logs if epochs > initial_epoch else logs)
+    return model.history
+
+
+def evaluate_loop(model, strategy, x=None, y=None, *, batch_size=None,
+                  verbose="auto", sample_weight=None, steps=None,
+                  callbacks=None, return_dict=False):
+    """Evaluates `model` under `strategy`, with `keras.Model.evaluate`'s arguments."""
+    verbose = 1 if verbose == "auto" else verbose
+    val = data_lib.distribute(strategy, x, y, sample_weight,
+                              batch_size=batch_size, shuffle=False, steps=steps)
+    if not isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks = keras.callbacks.CallbackList(
+            callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
+            steps=val.steps, model=model)
+    logs = _evaluate(model, _StepFunctions(model, strategy, model.test_step),
+                     val, callbacks)
+    if return_dict:
+        return logs
+    values = [logs[name] for name in _ordered_names(model, logs)]
+    return values[0] if len(values) == 1 else values
+
+
+def _evaluate(model, eval_fns, val, callbacks):
+    model.reset_metrics()
+    callbacks.on_test_begin()
+    logs = {}
+    iterator = iter(val.dataset)
+    for begin, end, step_logs in eval_fns.steps(iterator, val.steps):
+        if step_logs is None:
+            callbacks.on_test_batch_begin(begin)
+            continue
+        logs = step_logs
+        callbacks.on_test_batch_end(end, logs)
+    logs = _metrics_or_logs(model, logs)
+    callbacks.on_test_end(logs)
+    return logs
+
+
+class _StepFunctions:
+    """Compiled `steps_per_execution`-step functions over a distributed iterator."""
+
+    def __init__(self, model, strategy, step):
+        self._model, self._strategy, self._step = model, strategy, step
+        self._functions, self._eager = {}, {}
+        self._warm = False
+        self.ran_out = False
+
+    def _function(self, k):
+        if k not in self._functions:
+            strategy, step = self._strategy, self._step
+
+            def run(iterator):
+                for _ in range(k):  # unrolled: k is small and fixed per function
+                    outputs = strategy.run(step, args=(next(iterator),))
+                return tf.nest.map_structure(
+                    lambda v: strategy.reduce("MEAN", v, axis=None), outputs)
+
+            self._functions[k] = (
+                run if self._model.run_eagerly
+                else tf.function(run, jit_compile=bool(self._model.jit_compile)))
+            self._eager[k] = run
+        return self._functions[k]
+
+    def _run_eagerly(self, k, iterator):
+        self._function(k)
+        tf_logger = tf.get_logger()
+        level = tf_logger.level
+        tf_logger.setLevel("ERROR")  # one eager step: the overhead warning misleads
+        try:
+            return self._eager[k](iterator)
+        finally:
+            tf_logger.setLevel(level)
+
+    def steps(self, iterator, total):
+        """Yields `(begin, None, None)` before and `(begin, end, logs)` after
+        each execution; stops at `total` steps or at the end of the data."""
+        per_call = max(1, int(getattr(self._model, "steps_per_execution", 1) or 1))
+        self.ran_out = False
+        begin = 0
+        while total is None or begin < total:
+            k = per_call if total is None else min(per_call, total - begin)
+            if total is None:
+                k = 1  # unknown length: stop exactly at the end of the data
+            yield begin, None, None
+            try:
+                if not self._warm:
+                    # First call eagerly: the optimizer and metrics create their
+                    # variables there, which a tf.function may not do.
+                    logs = self._run_eagerly(k, iterator)
+                    self._warm = True
+                else:
+                    logs = self._function(k)(iterator)
+            except (tf.errors.OutOfRangeError, StopIteration):
+                self.ran_out = True
+                return
+            yield begin, begin + k - 1, logs
+            begin += k
+
+
+def _distribute_validation(strategy, validation_data, batch_size, steps):
+    if isinstance(validation_data, tf.data.Dataset) or data_lib.is_dataset_fn(
+            validation_data):
+        return data_lib.distribute(strategy, validation_data, steps=steps,
+                                   what="validation_data")
+    if not isinstance(validation_data, (tuple, list)) or not 2 <= len(
+            validation_data) <= 3:
+        raise ValueError(
+            "`validation_data` must be a tf.data.Dataset, a dataset_fn, or a "
+            "tuple (x_val, y_val) or (x_val, y_val, val_sample_weight). "
+            f"Received: {type(validation_data).__name__} of length "
+            f"{len(validation_data) if hasattr(validation_data, '__len__') else '?'}.")
+    vx, vy, vsw = (tuple(validation_data) + (None,))[:3]
+    return data_lib.distribute(strategy, vx, vy, vsw, batch_size=batch_size,
+                               shuffle=False, steps=steps, what="validation_data")
+
+
+def _metrics_or_logs(model, logs):
+    """Keras' rule: the model's metrics when the step returned exactly them.
+
+    Reading the metrics here, in cross-replica context, aggregates their
+    sync-on-read state over every replica of every worker. Values come back
+    as Python floats, as in Keras' epoch logs.
+    """
+    metric_logs = model.get_metrics_result()
+    if isinstance(logs, dict) and set(logs) == set(metric_logs):
+        logs = metric_logs
+    return {name: _pythonify(value) for name, value in logs.items()}
+
+
+def _pythonify(value):
+    value = value.numpy() if hasattr(value, "numpy") else value
+    return float(value) if np.ndim(value) == 0 else value
+
+
+def _ordered_names(model, logs):
+    first = [m.name for m in model.metrics if m.name in logs]
+    return first + sorted(set(logs) - set(first))
+
+
+def _should_eval(epoch, validation_freq):
+    if isinstance(validation_freq, int):
+        if validation_freq < 1:
+            raise ValueError(
+                f"`validation_freq` must be >= 1. Received: {validation_freq}.")
+        return (epoch + 1) % validation_freq == 0
+    return epoch + 1 in validation_freq

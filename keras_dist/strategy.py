@@ -1,0 +1,269 @@
+"""`resolve_strategy()`: pick the `tf.distribute` strategy for this process.
+
+One ordered chain, most explicit first (the same shape as accelerate's
+`_prepare_backend`):
+
+1. a `tf.distribute.Strategy` instance passed in: used as is;
+2. an explicit name passed in (anything but `"auto"`);
+3. the `KERAS_DIST_STRATEGY` environment variable, so a launcher or a job
+   file can decide without touching the script;
+4. the cluster description (`TF_CONFIG`, SLURM, or `cluster=`): `ps` tasks
+   mean parameter-server training, several training tasks mean
+   MultiWorkerMirrored -- a cluster outranks local devices because every
+   task of a cluster must agree on the strategy;
+5. the local accelerators: several GPUs mean Mirrored, one means OneDevice;
+6. otherwise TensorFlow's default strategy (no distribution).
+
+An explicit choice (2 or 3) that contradicts the cluster is an error naming
+both, since training would silently diverge across tasks otherwise.
+"""
+
+import dataclasses
+import enum
+import logging
+import os
+from typing import Optional, Tuple
+
+import tensorflow as tf
+
+from keras_dist.cluster import ClusterConfig
+
+logger = logging.getLogger("keras_dist")
+
+ENV_VAR = "KERAS_DIST_STRATEGY"
+
+
+class StrategyKind(str, enum.Enum):
+    """The strategies `resolve_strategy` can choose, by name."""
+
+    DEFAULT = "default"
+    ONE_DEVICE = "one_device"
+    MIRRORED = "mirrored"
+    MULTI_WORKER = "multi_worker"
+    PARAMETER_SERVER = "parameter_server"
+
+
+_NAMES = ("auto",) + tuple(kind.value for kind in StrategyKind)
+_CLUSTER_KINDS = (StrategyKind.MULTI_WORKER, StrategyKind.PARAMETER_SERVER)
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyChoice:
+    """What `choose_strategy` decided, before anything is built.
+
+    Attributes:
+        kind: `StrategyKind`. The strategy to build.
+        reason: String. Why, in words (logged by `resolve_strategy`).
+        devices: Tuple of device names the strategy will use (empty for the
+            cluster strategies and the default strategy).
+        cluster: `ClusterConfig` or `None`. The cluster it will run on.
+    """
+
+    kind: StrategyKind
+    reason: str
+    devices: Tuple[str, ...] = ()
+    cluster: Optional[ClusterConfig] = None
+
+
+def choose_strategy(strategy="auto", cluster=None, devices=None, environ=None):
+    """Decides which strategy `resolve_strategy` would build, without building it.
+
+    This is the whole decision of `resolve_strategy` as a pure function of its
+    inputs, so it can be inspected (and tested) on any machine.
+
+    Args:
+        strategy: String. `"auto"`, `"default"`, `"one_device"`,
+            `"mirrored"`, `"multi_worker"` or `"parameter_server"`.
+            Defaults to `"auto"`.
+        cluster: `ClusterConfig`, a `TF_CONFIG`-shaped dict, or `None` to read
+            the environment (`ClusterConfig.from_env`).
+        devices: List of device names or `None`. The local devices to train
+            on; `None` means this machine's GPUs
+            (`tf.config.list_logical_devices("GPU")`).
+        environ: Mapping or `None`. Environment to read `KERAS_DIST_STRATEGY`,
+            `TF_CONFIG` and SLURM variables from; defaults to `os.environ`.
+
+    Returns:
+        A `StrategyChoice`.
+
+    Example:
+
+    >>> import keras_dist as kd
+    >>> kd.choose_strategy(devices=["/gpu:0", "/gpu:1"], environ={}).kind
+    <StrategyKind.MIRRORED: 'mirrored'>
+    >>> kd.choose_strategy(devices=[], environ={}).kind
+    <StrategyKind.DEFAULT: 'default'>
+
+    Raises:
+        ValueError: for an unknown name, or a name that contradicts the
+            cluster description.
+    """
+    env = os.environ if environ is None else environ
+    requested = _check_name(strategy, "strategy")
+    source = "strategy argument"
+    if requested == "auto" and env.get(ENV_VAR, "").strip():
+        requested = _check_name(env[ENV_VAR].strip(), ENV_VAR)
+        source = f"{ENV_VAR}={requested}"
+    if isinstance(cluster, dict):
+        cluster = ClusterConfig.from_dict(cluster)
+    if cluster is None:
+        cluster = ClusterConfig.from_env(env)
+    implied = cluster.strategy_kind if cluster is not None else None
+
+    if devices is None:
+        # Only look when it matters: listing logical devices starts TF's
+        # runtime, after which MultiWorkerMirrored can no longer be created.
+        needs_devices = requested in ("auto", "one_device", "mirrored") and not (
+            requested == "auto" and implied is not None)
+        devices = _local_gpus() if needs_devices else []
+        device_word = "GPU"
+    else:
+        device_word = "device"
+    devices = tuple(devices)
+
+    if requested != "auto":
+        kind = StrategyKind(requested)
+        _check_against_cluster(kind, source, cluster, implied)
+        reason = f"requested by {source}"
+    elif implied is not None:
+        kind = StrategyKind(implied)
+        reason = f"cluster of {cluster.describe()}"
+    elif len(devices) > 1:
+        kind = StrategyKind.MIRRORED
+        reason = f"{len(devices)} local {device_word}s: {', '.join(devices)}"
+    elif len(devices) == 1:
+        kind = StrategyKind.ONE_DEVICE
+        reason = f"one local {device_word}: {devices[0]}"
+    else:
+        kind = StrategyKind.DEFAULT
+        reason = "no cluster and no GPU: training on this machine's default device"
+    if kind in _CLUSTER_KINDS:
+        return StrategyChoice(kind, reason, (), cluster)
+    if kind is StrategyKind.DEFAULT:
+        devices = ()
+    return StrategyChoice(kind, reason, devices, None)
+
+
+def resolve_strategy(strategy="auto", cluster=None, devices=None):
+    """Returns the `tf.distribute.Strategy` this process should train with.
+
+    Decides with `choose_strategy` (see it for the order of precedence), logs
+    one line saying what it chose and why, and builds the strategy. Cluster
+    strategies are built once per process and cluster and then reused,
+    because TensorFlow allows only one collective runtime per process.
+
+    Args:
+        strategy: String or `tf.distribute.Strategy`. A strategy instance is
+            returned unchanged; a name is resolved as in `choose_strategy`.
+            Defaults to `"auto"`.
+        cluster: `ClusterConfig`, dict or `None`. See `choose_strategy`.
+        devices: List of device names or `None`. See `choose_strategy`.
+
+    Returns:
+        A `tf.distribute.Strategy`.
+
+    Example:
+
+    >>> import keras_dist as kd
+    >>> strategy = kd.resolve_strategy("default")
+    >>> strategy.num_replicas_in_sync
+    1
+
+    Raises:
+        ValueError: for an unknown name or one that contradicts the cluster.
+        RuntimeError: when MultiWorkerMirroredStrategy is asked for after
+            TensorFlow's runtime has started (it must be created first).
+        NotImplementedError: for `"parameter_server"` (asynchronous training
+            is not available in this version).
+    """
+    if isinstance(strategy, tf.distribute.Strategy):
+        return strategy
+    choice = choose_strategy(strategy, cluster, devices)
+    logger.info("keras_dist: using %s strategy (%s)", choice.kind.value, choice.reason)
+    return build_strategy(choice)
+
+
+_CLUSTER_STRATEGIES = {}
+
+
+def build_strategy(choice):
+    """Builds the strategy a `StrategyChoice` describes.
+
+    Example:
+
+    >>> import keras_dist as kd
+    >>> choice = kd.choose_strategy("one_device", devices=["/cpu:0"], environ={})
+    >>> kd.build_strategy(choice).extended.worker_devices
+    ('/job:localhost/replica:0/task:0/device:CPU:0',)
+    """
+    kind = choice.kind
+    if kind is StrategyKind.DEFAULT:
+        return tf.distribute.get_strategy()
+    if kind is StrategyKind.ONE_DEVICE:
+        return tf.distribute.OneDeviceStrategy(choice.devices[0] if choice.devices else "/cpu:0")
+    if kind is StrategyKind.MIRRORED:
+        return tf.distribute.MirroredStrategy(list(choice.devices) or None)
+    if kind is StrategyKind.PARAMETER_SERVER:
+        raise NotImplementedError(
+            "Asynchronous parameter-server training is not available in this "
+            "version of keras_dist. Use strategy='multi_worker' on a cluster "
+            "without 'ps' tasks for synchronous training."
+        )
+    key = (kind, choice.cluster.to_tf_config() if choice.cluster else None)
+    if key not in _CLUSTER_STRATEGIES:
+        _CLUSTER_STRATEGIES[key] = _multi_worker(choice.cluster)
+    return _CLUSTER_STRATEGIES[key]
+
+
+def _multi_worker(cluster):
+    if cluster is not None and cluster.task_type not in ("chief", "worker"):
+        raise ValueError(
+            f"This process is task {cluster.task_type}:{cluster.task_index}; "
+            "MultiWorkerMirrored training runs on 'chief' and 'worker' tasks "
+            "only. Run evaluation on an evaluator task with your own loop over "
+            "checkpoints, or leave it out of the cluster."
+        )
+    resolver = cluster.cluster_resolver() if cluster is not None else None
+    try:
+        return tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver)
+    except RuntimeError as error:
+        if "program startup" not in str(error):
+            raise
+        raise RuntimeError(
+            "MultiWorkerMirroredStrategy must be created before TensorFlow "
+            "runs anything (it configures collective ops at start-up), but "
+            "this process already created a tensor, a model or a device. Call "
+            "`keras_dist.resolve_strategy()` first thing in your script, or "
+            "pass `keras_dist.fit` a function that builds the model instead "
+            "of a built model."
+        ) from error
+
+
+def _local_gpus():
+    return [d.name for d in tf.config.list_logical_devices("GPU")]
+
+
+def _check_name(value, field):
+    if not isinstance(value, str) or value not in _NAMES:
+        raise ValueError(
+            f"Unknown strategy {value!r} (from {field}). Use one of: "
+            f"{', '.join(_NAMES)}, or pass a tf.distribute.Strategy instance."
+        )
+    return value
+
+
+def _check_against_cluster(kind, source, cluster, implied):
+    if implied is None:
+        if kind is StrategyKind.PARAMETER_SERVER:
+            raise ValueError(
+                f"'parameter_server' was {source}, but no cluster with 'ps' tasks "
+                "is described. Set TF_CONFIG (or pass cluster=) with 'chief', "
+                "'worker' and 'ps' tasks, e.g. via `keras-dist-run --ps 1`."
+            )
+        return
+    if kind.value != implied:
+        raise ValueError(
+            f"Strategy {kind.value!r} was {source}, but the cluster "
+            f"({cluster.describe()}) implies {implied!r}. Either drop the "
+            f"explicit choice or change the cluster description."
+        )

@@ -1,0 +1,74 @@
+"""Real processes for tests: start with TF_CONFIG, always clean up.
+
+Each process gets its own session (process group) so a test can kill it and
+anything it started; `ProcessGroup` is a context manager that does so on any
+exit, including a failing assertion or a timeout.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class ProcessGroup:
+    """Starts `python script args` once per task and reaps them all."""
+
+    def __init__(self):
+        self.procs = {}
+
+    def start(self, name, args, env_extra=None, log_dir=None):
+        env = dict(os.environ)
+        env.update({"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"})
+        env.update(env_extra or {})
+        log = open(os.path.join(log_dir, f"{name}.log"), "w") if log_dir else subprocess.DEVNULL
+        proc = subprocess.Popen(
+            [sys.executable, *args], env=env, cwd=REPO, stdout=log,
+            stderr=subprocess.STDOUT, start_new_session=True)
+        proc.log_path = log.name if log_dir else None
+        self.procs[name] = proc
+        return proc
+
+    def wait(self, timeout):
+        """Waits for every process; returns {name: returncode}. Kills all on timeout."""
+        deadline = time.monotonic() + timeout
+        codes = {}
+        for name, proc in self.procs.items():
+            remaining = max(0.1, deadline - time.monotonic())
+            try:
+                codes[name] = proc.wait(remaining)
+            except subprocess.TimeoutExpired:
+                self.kill_all()
+                raise AssertionError(
+                    f"{name} did not finish within {timeout}s; logs:\n" + self.logs())
+        return codes
+
+    def logs(self, tail=3000):
+        out = []
+        for name, proc in self.procs.items():
+            if proc.log_path:
+                with open(proc.log_path) as f:
+                    out.append(f"--- {name} ---\n{f.read()[-tail:]}")
+        return "\n".join(out)
+
+    def kill_all(self):
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for proc in self.procs.values():
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.kill_all()

@@ -1,0 +1,55 @@
+"""One task of a 2-process MultiWorkerMirrored test: trains and saves results.
+
+Run by tests/test_fit_multiworker.py with TF_CONFIG set. argv: out_dir.
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+
+import keras_dist as kd
+
+strategy = kd.resolve_strategy()  # first: collective ops start with the process
+
+import keras  # noqa: E402
+
+from keras_dist.datasets import load_digits  # noqa: E402
+
+
+def build_model():
+    keras.utils.set_random_seed(7)  # same initial weights on every worker
+    model = keras.Sequential([
+        keras.Input((64,)),
+        keras.layers.Dense(32, activation="relu"),
+        keras.layers.Dense(10, activation="softmax"),
+    ])
+    model.compile(keras.optimizers.SGD(0.1, momentum=0.9),
+                  "sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def main(out_dir):
+    (x, y), (x_test, y_test) = load_digits()
+    mode = os.environ.get("MWMS_TEST_INPUT", "arrays")
+    if mode == "dataset":
+        data = dict(x=__import__("tensorflow").data.Dataset.from_tensor_slices(
+            (x, y)).batch(64))
+    else:
+        data = dict(x=x, y=y, batch_size=64)
+    history = kd.fit(build_model, strategy=strategy, epochs=4,
+                     validation_data=(x_test, y_test), verbose=0, **data)
+    model = history.model
+    loss, acc = kd.evaluate(model, x_test, y_test, verbose=0)
+    task = json.loads(os.environ["TF_CONFIG"])["task"]
+    name = f"{task['type']}{task['index']}"
+    np.savez(os.path.join(out_dir, f"{name}.npz"), *model.get_weights())
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump({"history": history.history, "test_accuracy": acc,
+                   "test_loss": loss,
+                   "replicas": strategy.num_replicas_in_sync}, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
