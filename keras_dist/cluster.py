@@ -70,7 +70,7 @@ class ClusterConfig:
     task_type: Optional[str] = None
     task_index: Optional[int] = None
     rpc_layer: str = "grpc"
-    source: str = "dict"
+    source: str = dataclasses.field(default="dict", compare=False)
 
     def __post_init__(self):
         where = _where(self.source)
@@ -107,7 +107,8 @@ class ClusterConfig:
                         "its own host:port."
                     )
                 seen[address] = f"{role}[{index}]"
-            normalized[role] = tuple(addresses)
+            if addresses:  # An empty role (e.g. "chief": []) is no role.
+                normalized[role] = tuple(addresses)
         object.__setattr__(self, "cluster", normalized)
 
         for role in ("chief", "evaluator"):
@@ -284,10 +285,20 @@ class ClusterConfig:
                 f"jobs={jobs} asks for {sum(jobs.values())} tasks but the SLURM "
                 f"step has SLURM_STEP_NUM_TASKS={num_tasks}. Make them match."
             )
+        rank = int(env["SLURM_PROCID"])
+        if not 0 <= rank < num_tasks:
+            raise ValueError(
+                f"SLURM_PROCID={rank} is out of range for a step of "
+                f"SLURM_STEP_NUM_TASKS={num_tasks} tasks (0..{num_tasks - 1})."
+            )
         resolver_cls = tf.distribute.cluster_resolver.SlurmClusterResolver
         with _patched_environ(env, needed):
+            # GPU counts are given so the resolver never runs `nvidia-smi`
+            # (missing on CPU nodes) and never drops tasks: it places at most
+            # gpus_per_node // gpus_per_task tasks per node, GPUs or not.
             resolver = resolver_cls(
-                jobs=jobs, port_base=port_base, auto_set_gpu=False
+                jobs=jobs, port_base=port_base, gpus_per_node=num_tasks,
+                gpus_per_task=1, auto_set_gpu=False
             )
             spec = resolver.cluster_spec().as_dict()
         return cls(

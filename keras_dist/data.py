@@ -61,8 +61,10 @@ def split_validation(arrays, validation_split):
             f"validation_split={validation_split} of {n} samples leaves one side "
             "empty. Use more data or a different fraction."
         )
-    head = tf.nest.map_structure(lambda a: a[:split_at], arrays)
-    tail = tf.nest.map_structure(lambda a: a[split_at:], arrays)
+    head = tf.nest.map_structure(
+        lambda a: None if a is None else a[:split_at], arrays)
+    tail = tf.nest.map_structure(
+        lambda a: None if a is None else a[split_at:], arrays)
     return head, tail
 
 

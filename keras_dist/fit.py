@@ -1,9 +1,9 @@
 """`fit()` / `evaluate()`: strategy-selecting drop-ins for `keras.Model.fit`.
 
 `fit` resolves the strategy (`resolve_strategy`), makes sure the model lives
-in that strategy's scope, and trains with Keras' own loop wherever it works
-(no strategy, OneDevice, Mirrored) and with `keras_dist.loop` where Keras 3's
-loop fails (MultiWorkerMirrored across processes).
+in that strategy's scope, and trains with Keras' own loop where it works (no
+strategy, one device) and with `keras_dist.loop` where Keras 3's loop fails
+(several replicas: Mirrored, MultiWorkerMirrored).
 """
 
 import logging
@@ -82,16 +82,16 @@ def fit(model, x=None, y=None, *, strategy="auto", cluster=None, **fit_kwargs):
         return loop.fit_loop(model, dist, x, y, **fit_kwargs)
     if is_dataset_fn(x):
         x = dist.distribute_datasets_from_function(x)
-    history = model.fit(x, y, **fit_kwargs)
-    return history
+    return model.fit(x, y, **fit_kwargs)
 
 
 def evaluate(model, x=None, y=None, *, strategy=None, **evaluate_kwargs):
     """Evaluates a model under its strategy; a drop-in for `keras.Model.evaluate`.
 
-    Needed after `fit` under MultiWorkerMirrored, where Keras 3's own
-    `evaluate` fails for the same reasons as its `fit`; elsewhere it simply
-    calls `model.evaluate`. Every worker must call it (it is a collective).
+    Needed after `fit` under MultiWorkerMirrored (and Mirrored with uneven
+    batches), where Keras 3's own `evaluate` fails for the same reasons as its
+    `fit`; elsewhere it simply calls `model.evaluate`. Under MultiWorkerMirrored
+    every worker must call it (it is a collective).
 
     Args:
         model: A compiled `keras.Model` (e.g. `history.model`).
@@ -123,7 +123,16 @@ def evaluate(model, x=None, y=None, *, strategy=None, **evaluate_kwargs):
 
 
 def _needs_own_loop(dist):
-    """Keras 3's fit fails under MultiWorkerMirrored with more than one worker."""
+    """Whether Keras 3's own loop would fail under `dist`.
+
+    It fails under MultiWorkerMirrored with more than one worker
+    (keras-team/keras#20585) and, under MirroredStrategy with two or more
+    replicas, as soon as a batch does not split evenly over the replicas or
+    `steps_per_execution > 1` (seen with Keras 3.15; see tests/test_loop.py).
+    One device and no strategy are left to Keras.
+    """
+    if dist.num_replicas_in_sync > 1:
+        return True
     if not isinstance(dist, tf.distribute.MultiWorkerMirroredStrategy):
         return False
     resolver = dist.cluster_resolver

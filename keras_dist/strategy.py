@@ -34,7 +34,21 @@ ENV_VAR = "KERAS_DIST_STRATEGY"
 
 
 class StrategyKind(str, enum.Enum):
-    """The strategies `resolve_strategy` can choose, by name."""
+    """The strategies `resolve_strategy` can choose, by name.
+
+    A `str` enum: each member equals its name as a string, which is what the
+    `strategy=` argument and `KERAS_DIST_STRATEGY` accept.
+
+    Example:
+
+    >>> import keras_dist as kd
+    >>> [kind.value for kind in kd.StrategyKind]
+    ['default', 'one_device', 'mirrored', 'multi_worker', 'parameter_server']
+    >>> kd.StrategyKind("mirrored") is kd.StrategyKind.MIRRORED
+    True
+    >>> kd.StrategyKind.MULTI_WORKER == "multi_worker"
+    True
+    """
 
     DEFAULT = "default"
     ONE_DEVICE = "one_device"
@@ -57,6 +71,19 @@ class StrategyChoice:
         devices: Tuple of device names the strategy will use (empty for the
             cluster strategies and the default strategy).
         cluster: `ClusterConfig` or `None`. The cluster it will run on.
+
+    Example:
+
+    >>> import keras_dist as kd
+    >>> choice = kd.choose_strategy(environ={}, cluster={
+    ...     "cluster": {"worker": ["localhost:12345", "localhost:23456"]},
+    ...     "task": {"type": "worker", "index": 0}})
+    >>> choice.kind.value, choice.devices
+    ('multi_worker', ())
+    >>> choice.reason
+    'cluster of 2 workers from dict; this task worker:0'
+    >>> choice.cluster.num_workers
+    2
     """
 
     kind: StrategyKind
@@ -256,14 +283,14 @@ def _check_against_cluster(kind, source, cluster, implied):
     if implied is None:
         if kind is StrategyKind.PARAMETER_SERVER:
             raise ValueError(
-                f"'parameter_server' was {source}, but no cluster with 'ps' tasks "
-                "is described. Set TF_CONFIG (or pass cluster=) with 'chief', "
+                f"'parameter_server' was requested by {source}, but no cluster "
+                "with 'ps' tasks is described. Set TF_CONFIG (or pass cluster=) with 'chief', "
                 "'worker' and 'ps' tasks, e.g. via `keras-dist-run --ps 1`."
             )
         return
     if kind.value != implied:
         raise ValueError(
-            f"Strategy {kind.value!r} was {source}, but the cluster "
-            f"({cluster.describe()}) implies {implied!r}. Either drop the "
+            f"Strategy {kind.value!r} was requested by {source}, but the "
+            f"cluster ({cluster.describe()}) implies {implied!r}. Either drop the "
             f"explicit choice or change the cluster description."
         )

@@ -1,0 +1,224 @@
+"""keras_dist.loop against Keras' own fit/evaluate, in-process.
+
+The owned loop under MirroredStrategy (2 replicas) must give what Keras' own
+loop gives on one device for the same global batches: each replica's loss is
+scaled by 1/replicas, so with evenly split batches the summed gradient equals
+the one-device gradient. Same seed, same data order: the histories and the
+weights must agree. That pins the loop to Keras semantics before it is used
+where Keras' loop fails (multi-worker: tests/test_fit_multiworker.py;
+Mirrored with uneven batches or steps_per_execution > 1: below).
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import CPUS
+from keras_dist import loop
+
+
+@pytest.fixture(scope="module")
+def strategy():
+    return tf.distribute.MirroredStrategy(CPUS)
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200, 8)).astype("float32")
+    y = (x[:, :4].sum(1) > x[:, 4:].sum(1)).astype("int32")
+    return x, y
+
+
+def build(strategy=None, steps_per_execution=1):
+    keras.utils.set_random_seed(3)
+    with (strategy or tf.distribute.get_strategy()).scope():
+        model = keras.Sequential([
+            keras.Input((8,)),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(2, activation="softmax"),
+        ])
+        model.compile(keras.optimizers.SGD(0.1, momentum=0.9),
+                      "sparse_categorical_crossentropy", metrics=["accuracy"],
+                      steps_per_execution=steps_per_execution)
+    return model
+
+
+def assert_same(model_a, model_b):
+    for a, b in zip(model_a.get_weights(), model_b.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def assert_same_history(h_a, h_b):
+    assert sorted(h_a.history) == sorted(h_b.history)
+    for key in h_a.history:
+        np.testing.assert_allclose(h_a.history[key], h_b.history[key], rtol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(epochs=3, batch_size=32, shuffle=False),
+    dict(epochs=2, batch_size=48, shuffle=False, validation_split=0.25),
+    dict(epochs=2, batch_size=32, shuffle=False, class_weight={0: 1.0, 1: 3.0}),
+    dict(epochs=2, batch_size=32, shuffle=False, validation_freq=2,
+         initial_epoch=0),
+], ids=["plain", "validation_split", "class_weight", "validation_freq"])
+def test_matches_keras_fit_on_arrays(strategy, data, kwargs):
+    x, y = data
+    keras_model, own_model = build(), build(strategy)
+    val = {} if "validation_split" in kwargs else {"validation_data": (x[:40], y[:40])}
+    h_keras = keras_model.fit(x, y, verbose=0, **val, **kwargs)
+    h_own = loop.fit_loop(own_model, strategy, x, y, verbose=0, **val, **kwargs)
+    assert_same_history(h_keras, h_own)
+    assert_same(keras_model, own_model)
+
+
+def test_matches_keras_fit_with_sample_weight_and_steps_per_execution(strategy, data):
+    x, y = data
+    weights = np.linspace(0.5, 2.0, len(x)).astype("float32")
+    keras_model, own_model = build(None, 3), build(strategy, 3)
+    h_keras = keras_model.fit(x, y, sample_weight=weights, epochs=2, batch_size=16,
+                              shuffle=False, verbose=0)
+    h_own = loop.fit_loop(own_model, strategy, x, y, sample_weight=weights, epochs=2,
+                          batch_size=16, shuffle=False, verbose=0)
+    assert_same_history(h_keras, h_own)
+    assert_same(keras_model, own_model)
+
+
+def test_matches_keras_fit_on_dataset(strategy, data):
+    x, y = data
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(20)
+    keras_model, own_model = build(), build(strategy)
+    h_keras = keras_model.fit(dataset, epochs=2, verbose=0)
+    h_own = loop.fit_loop(own_model, strategy, dataset, epochs=2, verbose=0)
+    assert_same_history(h_keras, h_own)
+    assert_same(keras_model, own_model)
+
+
+def test_dataset_fn_with_steps_per_epoch(strategy, data):
+    x, y = data
+    seen_contexts = []
+
+    def dataset_fn(context):
+        seen_contexts.append(context)
+        batch = context.get_per_replica_batch_size(32)
+        return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(batch)
+
+    model = build(strategy)
+    history = loop.fit_loop(model, strategy, dataset_fn, epochs=3,
+                            steps_per_epoch=5, verbose=0)
+    assert len(seen_contexts) == 1  # one input pipeline per worker
+    assert seen_contexts[0].num_replicas_in_sync == 2
+    losses = history.history["loss"]
+    assert losses[-1] < losses[0]
+
+
+def test_dataset_fn_needs_steps(strategy, data):
+    with pytest.raises(ValueError, match="dataset_fn.*steps_per_epoch"):
+        loop.fit_loop(build(strategy), strategy, lambda ctx: None, epochs=1, verbose=0)
+
+
+def test_infinite_dataset_needs_steps(strategy, data):
+    x, y = data
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()
+    with pytest.raises(ValueError, match="repeats forever.*steps_per_epoch"):
+        loop.fit_loop(build(strategy), strategy, dataset, epochs=1, verbose=0)
+
+
+def test_runs_out_of_data_warns_and_stops(strategy, data):
+    x, y = data
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(50)  # 4 batches
+    model = build(strategy)
+    with pytest.warns(UserWarning, match="ran out of data"):
+        history = loop.fit_loop(model, strategy, dataset, epochs=5,
+                                steps_per_epoch=3, verbose=0)
+    assert len(history.history["loss"]) == 2  # epoch 2 hits the end
+
+
+def test_callbacks_see_every_hook_and_can_stop(strategy, data):
+    x, y = data
+
+    class Recorder(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.events = []
+
+        def on_train_begin(self, logs=None):
+            self.events.append("train_begin")
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.events.append(("epoch_end", epoch, sorted(logs)))
+            if epoch == 1:
+                self.model.stop_training = True
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.events.append(("batch", batch))
+
+        def on_test_end(self, logs=None):
+            self.events.append("test_end")
+
+    recorder = Recorder()
+    history = loop.fit_loop(build(strategy), strategy, x, y, epochs=10, batch_size=50,
+                            validation_data=(x[:20], y[:20]), callbacks=[recorder],
+                            verbose=0)
+    assert len(history.history["loss"]) == 2
+    batches = [e for e in recorder.events if isinstance(e, tuple) and e[0] == "batch"]
+    assert [b[1] for b in batches] == [0, 1, 2, 3] * 2
+    assert recorder.events.count("test_end") == 2
+    assert ("epoch_end", 0, ["accuracy", "loss", "val_accuracy", "val_loss"]) in recorder.events
+
+
+def test_evaluate_matches_keras(strategy, data):
+    x, y = data
+    model = build(strategy)
+    model.fit(x, y, epochs=1, verbose=0)
+    expected = model.evaluate(x, y, batch_size=32, return_dict=True, verbose=0)
+    got = loop.evaluate_loop(model, strategy, x, y, batch_size=32, return_dict=True,
+                             verbose=0)
+    assert sorted(got) == sorted(expected)
+    for key in expected:
+        assert got[key] == pytest.approx(expected[key], rel=1e-5)
+    as_list = loop.evaluate_loop(model, strategy, x, y, batch_size=32, verbose=0)
+    assert as_list == pytest.approx([expected["loss"], expected["accuracy"]], rel=1e-5)
+
+
+def replica_weights(model, strategy):
+    """Each replica's copy of every variable, as numpy."""
+    return [[r.numpy() for r in strategy.experimental_local_results(v.value)]
+            for v in model.weights]
+
+
+@pytest.mark.parametrize("batch, steps_per_execution", [(25, 1), (16, 3)],
+                         ids=["uneven_batches", "steps_per_execution"])
+def test_trains_where_keras_mirrored_fit_fails(strategy, data, batch,
+                                                steps_per_execution):
+    """Keras 3.15's own fit under MirroredStrategy raises here: with a batch
+    that does not split evenly over replicas (`_maybe_symbolic_build` adds
+    per-replica batches of shapes [13, 8] and [12, 8]) and with
+    steps_per_execution > 1 (variables initialized inside its while loop)."""
+    x, y = data
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
+    model = build(strategy, steps_per_execution)
+    history = loop.fit_loop(model, strategy, dataset, epochs=4, verbose=0)
+    losses = history.history["loss"]
+    assert losses[-1] < 0.7 * losses[0], losses
+    for copies in replica_weights(model, strategy):
+        np.testing.assert_array_equal(copies[0], copies[1])
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(validation_data=([1, 2, 3],)), "validation_data.*tuple"),
+    (dict(validation_split=1.5), "validation_split.*range"),
+    (dict(y=np.zeros(7)), "different numbers of samples: 200 and 7"),
+    (dict(steps_per_epoch=0), "positive integer. Received: 0"),
+    (dict(class_weight={0: 1.0}), "class_weight.*no entry for class.*1"),
+    (dict(validation_freq=0, validation_data=None), "validation_freq"),
+])
+def test_bad_arguments(strategy, data, kwargs, message):
+    x, y = data
+    args = dict(y=y, epochs=1, verbose=0)
+    args.update(kwargs)
+    if "validation_freq" in kwargs:
+        args["validation_data"] = (x[:10], y[:10])
+    with pytest.raises(ValueError, match=message):
+        loop.fit_loop(build(strategy), strategy, x, **args)
