@@ -1,0 +1,81 @@
+"""The `Example:` blocks of keras_dist's docstrings run, and say what is true.
+
+Every docstring example is collected with the stdlib `doctest` module and run
+as its own test (named after the object, e.g. `keras_dist.fit.fit`), so a
+wrong example fails and the failure says where. Every public name in
+`keras_dist.__all__` must carry such an example.
+"""
+
+import doctest
+import importlib
+import re
+
+import pytest
+
+import keras_dist
+
+MODULES = (
+    "keras_dist",
+    "keras_dist.cluster",
+    "keras_dist.data",
+    "keras_dist.datasets",
+    "keras_dist.fit",
+    "keras_dist.loop",
+    "keras_dist.strategy",
+)
+OPTIONFLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+_EXAMPLE_SECTION = re.compile(r"^\s*Examples?:\s*$", re.MULTILINE)
+
+
+def _collect():
+    finder = doctest.DocTestFinder()
+    tests = {}
+    for name in MODULES:
+        for test in finder.find(importlib.import_module(name)):
+            if test.examples:
+                tests[test.name] = test
+    return [tests[name] for name in sorted(tests)]
+
+
+DOCTESTS = _collect()
+
+
+def run_doctest(test):
+    """Runs one `doctest.DocTest`; returns `(failures, report)`."""
+    runner = doctest.DocTestRunner(optionflags=OPTIONFLAGS, verbose=False)
+    report = []
+    result = runner.run(test, out=report.append)
+    return result.failed, "".join(report)
+
+
+@pytest.mark.parametrize("test", DOCTESTS, ids=[t.name for t in DOCTESTS])
+def test_docstring_example(test):
+    failures, report = run_doctest(test)
+    assert failures == 0, f"Docstring example of {test.name} failed:\n{report}"
+
+
+def test_examples_were_found():
+    # Guards against a finder change that silently collects nothing.
+    assert len(DOCTESTS) >= len(keras_dist.__all__)
+
+
+def test_a_wrong_example_fails():
+    wrong = doctest.DocTestParser().get_doctest(
+        ">>> 1 + 1\n3\n", {}, "wrong_example", "<test>", 0)
+    failures, report = run_doctest(wrong)
+    assert failures == 1
+    assert "Expected:" in report and "Got:" in report
+
+
+@pytest.mark.parametrize("name", sorted(keras_dist.__all__))
+def test_public_name_has_runnable_example(name):
+    obj = getattr(keras_dist, name)
+    doc = obj.__doc__ or ""  # not inspect.getdoc: no inherited docstrings
+    match = _EXAMPLE_SECTION.search(doc)
+    assert match, f"keras_dist.{name} has no `Example:` section in its docstring."
+    assert ">>>" in doc[match.end():], (
+        f"The `Example:` section of keras_dist.{name} has no `>>>` line.")
+    qualified = f"{obj.__module__}.{obj.__qualname__}"
+    assert qualified in {t.name for t in DOCTESTS}, (
+        f"doctest does not collect the example of keras_dist.{name} "
+        f"(looked for {qualified}).")
