@@ -29,7 +29,9 @@ if keras.backend.backend() != "tensorflow":
     )
 
 from keras_dist.cluster import ClusterConfig  # noqa: E402
+from keras_dist.async_model import AsyncModel  # noqa: E402
 from keras_dist.fit import evaluate, fit  # noqa: E402
+from keras_dist.serve import serve  # noqa: E402
 from keras_dist.strategy import (  # noqa: E402
     StrategyChoice,
     StrategyKind,
@@ -41,6 +43,7 @@ from keras_dist.strategy import (  # noqa: E402
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncModel",
     "ClusterConfig",
     "StrategyChoice",
     "StrategyKind",
@@ -49,6 +52,7 @@ __all__ = [
     "evaluate",
     "fit",
     "resolve_strategy",
+    "serve",
 ]
 
 _logger = logging.getLogger("keras_dist")

@@ -54,7 +54,7 @@ def split_validation(arrays, validation_split):
             "`validation_split` must be in the range (0, 1). Received: "
             f"validation_split={validation_split}."
         )
-    n = _num_samples(arrays)
+    n = num_samples(arrays)
     split_at = int(n * (1.0 - validation_split))
     if split_at in (0, n):
         raise ValueError(
@@ -84,7 +84,7 @@ def from_arrays(x, y=None, sample_weight=None, *, batch_size=None, shuffle=True,
             np.asarray(sample_weight, "float32") * weights)
     arrays = (x,) if y is None else (x, y) if sample_weight is None else (
         x, y, sample_weight)
-    n = _num_samples(arrays)
+    n = num_samples(arrays)
     dataset = tf.data.Dataset.from_tensor_slices(arrays)
     if shuffle:
         dataset = dataset.shuffle(n, seed=seed, reshuffle_each_iteration=True)
@@ -146,10 +146,10 @@ def distribute(strategy, x, y=None, sample_weight=None, *, batch_size=None,
                 )
         dataset = x
     else:
-        if y is not None and _num_samples((x,)) != _num_samples((y,)):
+        if y is not None and num_samples((x,)) != num_samples((y,)):
             raise ValueError(
                 f"`{what}` and `y` have different numbers of samples: "
-                f"{_num_samples((x,))} and {_num_samples((y,))}. Pass one target "
+                f"{num_samples((x,))} and {num_samples((y,))}. Pass one target "
                 "per input."
             )
         dataset = from_arrays(x, y, sample_weight, batch_size=batch_size,
@@ -167,7 +167,7 @@ def distribute(strategy, x, y=None, sample_weight=None, *, batch_size=None,
     return DistributedInput(distributed, known, repeats=False)
 
 
-def _num_samples(arrays):
+def num_samples(arrays):
     sizes = {int(np.shape(a)[0]) for a in tf.nest.flatten(arrays) if a is not None}
     if len(sizes) != 1:
         raise ValueError(

@@ -13,6 +13,9 @@ import tensorflow as tf
 
 from keras_dist import loop
 from keras_dist import strategy as strategy_lib
+from keras_dist.async_loop import fit_async
+from keras_dist.async_model import AsyncModel, serve_if_serving_task
+from keras_dist.cluster import ClusterConfig
 from keras_dist.data import is_dataset_fn
 
 logger = logging.getLogger("keras_dist")
@@ -55,6 +58,13 @@ def fit(model, x=None, y=None, *, strategy="auto", cluster=None, **fit_kwargs):
         **fit_kwargs: Any other argument of `keras.Model.fit` (`epochs`,
             `batch_size`, `callbacks`, `validation_data`, ...).
 
+    On a parameter-server cluster (`ps` tasks in `TF_CONFIG`) the chief
+    trains asynchronously: the model becomes an `AsyncModel` (same layers and
+    weights, `AsyncModel.from_model`) and `steps_per_epoch` counts updates
+    from all workers together. On that cluster's `worker` and `ps` tasks this
+    function serves and never returns; the launcher or scheduler stops them
+    when the chief is done.
+
     Returns:
         A `keras.callbacks.History`; `history.model` is the trained model.
 
@@ -76,8 +86,15 @@ def fit(model, x=None, y=None, *, strategy="auto", cluster=None, **fit_kwargs):
         ValueError: if the model is not compiled, or for bad strategy or
             data arguments (each message names the value and the fix).
     """
+    if isinstance(cluster, dict):
+        cluster = ClusterConfig.from_dict(cluster)
+    serve_if_serving_task(cluster)
     dist = strategy_lib.resolve_strategy(strategy, cluster)
     model = _model_in_scope(model, dist)
+    if isinstance(dist, tf.distribute.ParameterServerStrategy):
+        with dist.scope():
+            model = AsyncModel.from_model(model)
+        return fit_async(model, dist, x, y, **fit_kwargs)
     if _needs_own_loop(dist):
         return loop.fit_loop(model, dist, x, y, **fit_kwargs)
     if is_dataset_fn(x):

@@ -94,7 +94,7 @@ def fit_loop(model, strategy, x=None, y=None, *, batch_size=None, epochs=1,
                 stacklevel=2)
             model.stop_training = True
         epoch_logs = dict(_metrics_or_logs(model, logs))
-        if val is not None and _should_eval(epoch, validation_freq):
+        if val is not None and should_eval(epoch, validation_freq):
             val_logs = _evaluate(model, eval_fns, val, callbacks)
             epoch_logs.update({"val_" + k: v for k, v in val_logs.items()})
         callbacks.on_epoch_end(epoch, epoch_logs)
@@ -227,10 +227,10 @@ def _metrics_or_logs(model, logs):
     metric_logs = model.get_metrics_result()
     if isinstance(logs, dict) and set(logs) == set(metric_logs):
         logs = metric_logs
-    return {name: _pythonify(value) for name, value in logs.items()}
+    return {name: pythonify(value) for name, value in logs.items()}
 
 
-def _pythonify(value):
+def pythonify(value):
     value = value.numpy() if hasattr(value, "numpy") else value
     return float(value) if np.ndim(value) == 0 else value
 
@@ -240,7 +240,7 @@ def _ordered_names(model, logs):
     return first + sorted(set(logs) - set(first))
 
 
-def _should_eval(epoch, validation_freq):
+def should_eval(epoch, validation_freq):
     if isinstance(validation_freq, int):
         if validation_freq < 1:
             raise ValueError(

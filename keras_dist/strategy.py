@@ -27,6 +27,7 @@ from typing import Optional, Tuple
 import tensorflow as tf
 
 from keras_dist.cluster import ClusterConfig
+from keras_dist.serve import start_server, wait_for_tasks
 
 logger = logging.getLogger("keras_dist")
 
@@ -171,7 +172,8 @@ def choose_strategy(strategy="auto", cluster=None, devices=None, environ=None):
     return StrategyChoice(kind, reason, devices, None)
 
 
-def resolve_strategy(strategy="auto", cluster=None, devices=None):
+def resolve_strategy(strategy="auto", cluster=None, devices=None, *,
+                     variable_partitioner=None, connect_timeout=120.0):
     """Returns the `tf.distribute.Strategy` this process should train with.
 
     Decides with `choose_strategy` (see it for the order of precedence), logs
@@ -185,6 +187,18 @@ def resolve_strategy(strategy="auto", cluster=None, devices=None):
             Defaults to `"auto"`.
         cluster: `ClusterConfig`, dict or `None`. See `choose_strategy`.
         devices: List of device names or `None`. See `choose_strategy`.
+        variable_partitioner: Parameter-server training only: a
+            `tf.distribute.experimental.partitioners.Partitioner` (e.g.
+            `MinSizePartitioner(min_shard_bytes=..., max_shards=num_ps)`) that
+            splits large variables, such as a big `Embedding`, across the
+            parameter servers. Defaults to `None` (no sharding).
+        connect_timeout: Float. Parameter-server training only: seconds to
+            wait for every worker and ps task to accept connections before
+            failing with an error naming the missing ones. Defaults to `120`.
+
+    On a `worker` or `ps` task of a parameter-server cluster this starts the
+    task's server (so the chief can reach it early) and returns the default
+    strategy; `keras_dist.fit` then serves there until stopped.
 
     Returns:
         A `tf.distribute.Strategy`.
@@ -200,21 +214,36 @@ def resolve_strategy(strategy="auto", cluster=None, devices=None):
         ValueError: for an unknown name or one that contradicts the cluster.
         RuntimeError: when MultiWorkerMirroredStrategy is asked for after
             TensorFlow's runtime has started (it must be created first).
-        NotImplementedError: for `"parameter_server"` (asynchronous training
-            is not available in this version).
+        TimeoutError: when a parameter-server cluster's tasks do not come
+            up within `connect_timeout`.
     """
     if isinstance(strategy, tf.distribute.Strategy):
         return strategy
     choice = choose_strategy(strategy, cluster, devices)
     logger.info("keras_dist: using %s strategy (%s)", choice.kind.value, choice.reason)
-    return build_strategy(choice)
+    return build_strategy(choice, variable_partitioner=variable_partitioner,
+                          connect_timeout=connect_timeout)
 
 
 _CLUSTER_STRATEGIES = {}
 
 
-def build_strategy(choice):
+def build_strategy(choice, *, variable_partitioner=None, connect_timeout=120.0):
     """Builds the strategy a `StrategyChoice` describes.
+
+    Args:
+        choice: `StrategyChoice`, from `choose_strategy`.
+        variable_partitioner: See `resolve_strategy`.
+        connect_timeout: Float. See `resolve_strategy`.
+
+    Returns:
+        A `tf.distribute.Strategy` (cluster strategies are built once per
+        process and reused).
+
+    Raises:
+        RuntimeError: MultiWorkerMirrored asked for after TF's runtime started.
+        ValueError: a cluster strategy on a task that cannot run it.
+        TimeoutError: parameter-server tasks that never come up.
 
     Example:
 
@@ -230,16 +259,30 @@ def build_strategy(choice):
         return tf.distribute.OneDeviceStrategy(choice.devices[0] if choice.devices else "/cpu:0")
     if kind is StrategyKind.MIRRORED:
         return tf.distribute.MirroredStrategy(list(choice.devices) or None)
-    if kind is StrategyKind.PARAMETER_SERVER:
-        raise NotImplementedError(
-            "Asynchronous parameter-server training is not available in this "
-            "version of keras_dist. Use strategy='multi_worker' on a cluster "
-            "without 'ps' tasks for synchronous training."
-        )
+    if kind is StrategyKind.PARAMETER_SERVER and choice.cluster.task_type in (
+            "worker", "ps"):
+        start_server(choice.cluster)
+        return tf.distribute.get_strategy()
     key = (kind, choice.cluster.to_tf_config() if choice.cluster else None)
     if key not in _CLUSTER_STRATEGIES:
-        _CLUSTER_STRATEGIES[key] = _multi_worker(choice.cluster)
+        if kind is StrategyKind.PARAMETER_SERVER:
+            _CLUSTER_STRATEGIES[key] = _parameter_server(
+                choice.cluster, variable_partitioner, connect_timeout)
+        else:
+            _CLUSTER_STRATEGIES[key] = _multi_worker(choice.cluster)
     return _CLUSTER_STRATEGIES[key]
+
+
+def _parameter_server(cluster, variable_partitioner, connect_timeout):
+    if cluster.task_type != "chief":
+        raise ValueError(
+            f"This process is task {cluster.task_type}:{cluster.task_index}; in "
+            "parameter-server training only the 'chief' coordinates and 'worker' "
+            "/ 'ps' tasks serve. Evaluator tasks are not supported yet: leave "
+            "the evaluator out of the cluster.")
+    wait_for_tasks(cluster, connect_timeout)
+    return tf.distribute.ParameterServerStrategy(
+        cluster.cluster_resolver(), variable_partitioner=variable_partitioner)
 
 
 def _multi_worker(cluster):

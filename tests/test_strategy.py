@@ -10,6 +10,8 @@ builds a MultiWorkerMirroredStrategy: in-process it would wait for its peers
 import json
 import logging
 
+import time
+
 import pytest
 import tensorflow as tf
 
@@ -235,9 +237,19 @@ def test_resolve_auto_mirrors_over_two_devices(clean_env):
         ("CPU", 0), ("CPU", 1)]
 
 
-def test_resolve_parameter_server_is_not_implemented_yet(clean_env):
-    with pytest.raises(NotImplementedError, match=r"parameter-server training is not available"):
-        resolve_strategy(cluster=WITH_PS, devices=[])
+def test_resolve_parameter_server_names_tasks_that_never_come_up(clean_env):
+    cluster = ClusterConfig.local(workers=2, ps=1).for_task("chief")  # nobody listens
+    missing = f"worker:1 at {cluster.cluster['worker'][1]}"
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=f"did not come up within 1 s: .*{missing}"):
+        resolve_strategy(cluster=cluster, connect_timeout=1)
+    assert time.monotonic() - start < 10
+
+
+def test_resolve_parameter_server_rejects_evaluator_task(clean_env):
+    cluster = ClusterConfig.local(workers=1, ps=1, evaluator=True).for_task("evaluator")
+    with pytest.raises(ValueError, match="Evaluator tasks are not supported yet"):
+        resolve_strategy(cluster=cluster)
 
 
 def test_resolve_logs_one_line_with_choice_and_reason(clean_env, keras_dist_log):

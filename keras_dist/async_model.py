@@ -1,0 +1,188 @@
+"""`AsyncModel`: a `keras.Model` that trains asynchronously on parameter servers."""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_dist.cluster import ClusterConfig
+from keras_dist.serve import serve
+from keras_dist.staleness import VersionCounter
+
+
+def serve_if_serving_task(cluster=None):
+    """On a worker / ps task of a parameter-server cluster: serve forever."""
+    cluster = cluster or ClusterConfig.from_env()
+    if (cluster is not None and cluster.strategy_kind == "parameter_server"
+            and cluster.task_type in ("worker", "ps")):
+        serve(cluster)
+
+
+@keras.saving.register_keras_serializable(package="keras_dist")
+class AsyncModel(keras.Model):
+    """A `keras.Model` whose `fit` trains asynchronously under parameter servers.
+
+    Build it like any Keras model: functionally (`AsyncModel(inputs,
+    outputs)`), by subclassing it instead of `keras.Model`, or from an
+    existing functional / Sequential model with `AsyncModel.from_model`.
+    Create and compile it inside the `ParameterServerStrategy` scope (what
+    `keras_dist.resolve_strategy()` returns on a cluster with `ps` tasks): its
+    variables then live on the parameter servers, and `fit` schedules
+    `train_step` on the workers through TF's `ClusterCoordinator`. Each worker
+    applies its update as soon as it has it; nobody waits for anybody.
+
+    Every step reads the parameter version before its forward pass and
+    increments it after its update, so each update knows its staleness tau
+    (updates applied by others in between); the epoch logs carry
+    `staleness_mean` and `staleness_max`, and `model.staleness_stats` holds
+    the last epoch's per-step records (worker, tau, seconds).
+
+    Under any other strategy (or none) an `AsyncModel` is exactly a
+    `keras.Model`, so a script runs locally first and on a cluster later
+    without change. `evaluate` and `predict` also work under parameter
+    servers (Keras' own do not): they run on the chief.
+
+    Example:
+
+    >>> import numpy as np, keras, keras_dist as kd
+    >>> inputs = keras.Input((4,))
+    >>> model = kd.AsyncModel(inputs, keras.layers.Dense(1)(inputs))
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> history = model.fit(np.ones((32, 4)), np.ones((32, 1)), epochs=1, verbose=0)
+    >>> isinstance(model, keras.Model)
+    True
+    """
+
+    @classmethod
+    def from_model(cls, model):
+        """An `AsyncModel` sharing the layers (and weights) of `model`.
+
+        Works for functional and Sequential models with defined inputs. If
+        `model` is compiled, the copy is compiled with the same settings
+        (its optimizer is a fresh one of the same configuration).
+
+        Example:
+
+        >>> import keras, keras_dist as kd
+        >>> seq = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        >>> model = kd.AsyncModel.from_model(seq)
+        >>> model.layers[-1] is seq.layers[-1]
+        True
+        """
+        if isinstance(model, cls):
+            return model
+        try:
+            inputs, outputs = model.inputs, model.outputs
+        except (AttributeError, ValueError):
+            inputs = outputs = None
+        if not inputs:
+            raise ValueError(
+                f"AsyncModel.from_model needs a functional or Sequential model "
+                f"with defined inputs; {type(model).__name__} {model.name!r} has "
+                "none. Subclass kd.AsyncModel instead of keras.Model, or start "
+                "the Sequential model with keras.Input(shape).")
+        if len(inputs) == 1:
+            inputs = inputs[0]
+        if len(outputs) == 1:
+            outputs = outputs[0]
+        async_model = cls(inputs=inputs, outputs=outputs, name=model.name)
+        if getattr(model, "compiled", False):
+            async_model.compile_from_config(model.get_compile_config())
+        return async_model
+
+    # ----------------------------------------------------------------- training
+    def fit(self, x=None, y=None, **kwargs):
+        strategy = self.distribute_strategy
+        if isinstance(strategy, tf.distribute.ParameterServerStrategy):
+            from keras_dist.async_loop import fit_async
+
+            return fit_async(self, strategy, x, y, **kwargs)
+        serve_if_serving_task()
+        return super().fit(x, y, **kwargs)
+
+    def build_async_state(self, sample_batch):
+        """Creates optimizer, metric and version state before training.
+
+        Under parameter servers variables cannot be created inside the
+        scheduled functions, so the chief builds them here from one sample
+        batch (metrics are reset afterwards).
+        """
+        strategy = self.distribute_strategy
+        with strategy.scope():
+            if getattr(self, "_kd_version", None) is None:
+                self._kd_version = VersionCounter()
+            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(sample_batch)
+            y_pred = self(x, training=False)
+            if y is not None:
+                self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
+                self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+            self.optimizer.build(self.trainable_variables)
+            self.reset_metrics()
+
+    @property
+    def version(self):
+        """Integer or `None`. Updates applied so far (the parameter version)."""
+        counter = getattr(self, "_kd_version", None)
+        return None if counter is None else counter.value
+
+    def async_train_steps(self, iterator, steps):
+        """Runs `steps` train steps on one worker with staleness bookkeeping.
+
+        Returns `(logs, info)`: the last step's logs and `info` with
+        `staleness` (one tau per step), `worker` and `step_seconds`.
+        """
+        taus = []
+        start = None
+        logs = {}
+        for _ in range(steps):
+            data = next(iterator)
+            if start is None:
+                with tf.control_dependencies(tf.nest.flatten(data)):
+                    start = tf.timestamp()
+            logs, tau = self._tracked_step(data, start)
+            taus.append(tau)
+        with tf.control_dependencies(taus):
+            seconds = tf.timestamp() - start
+        info = {
+            "staleness": tf.stack(taus),
+            "worker": tf.distribute.coordinator.experimental_get_current_worker_index(),
+            "step_seconds": seconds,
+        }
+        return logs, info
+
+    def _tracked_step(self, data, after):
+        read = self._kd_version.read()
+        with tf.control_dependencies([read, after]):
+            # Every op of the step, weight reads included, runs after the read.
+            logs = self.train_step(data)
+        with tf.control_dependencies(tf.nest.flatten(logs)):
+            new_version = self._kd_version.increment()
+        return logs, new_version - 1 - read
+
+    # --------------------------------------------------------------- inference
+    def evaluate(self, x=None, y=None, batch_size=None, verbose="auto",
+                 sample_weight=None, steps=None, callbacks=None,
+                 return_dict=False, **kwargs):
+        if not isinstance(self.distribute_strategy, tf.distribute.ParameterServerStrategy):
+            return super().evaluate(x, y, batch_size=batch_size, verbose=verbose,
+                                    sample_weight=sample_weight, steps=steps,
+                                    callbacks=callbacks, return_dict=return_dict,
+                                    **kwargs)
+        from keras_dist.loop import evaluate_loop
+
+        return evaluate_loop(self, tf.distribute.get_strategy(), x, y,
+                             batch_size=batch_size, verbose=verbose,
+                             sample_weight=sample_weight, steps=steps,
+                             callbacks=callbacks, return_dict=return_dict)
+
+    def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
+        if not isinstance(self.distribute_strategy, tf.distribute.ParameterServerStrategy):
+            return super().predict(x, batch_size=batch_size, verbose=verbose,
+                                   steps=steps, callbacks=callbacks)
+        dataset = x if isinstance(x, tf.data.Dataset) else tf.data.Dataset.from_tensor_slices(
+            x).batch(batch_size or 32)
+        if steps is not None:
+            dataset = dataset.take(steps)
+        predict = tf.function(lambda batch: self(batch, training=False))
+        outputs = [predict(keras.utils.unpack_x_y_sample_weight(b)[0]) for b in dataset]
+        return tf.nest.map_structure(lambda *parts: np.concatenate(
+            [p.numpy() for p in parts]), *outputs)

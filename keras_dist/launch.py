@@ -1,0 +1,177 @@
+"""`keras-dist-run`: start a real local cluster running one script.
+
+    keras-dist-run --workers 2 --ps 1 -- python examples/train_digits.py --epochs 5
+
+Picks free loopback ports, starts one process per task with its own
+`TF_CONFIG` (the same script everywhere; it learns its role from
+`TF_CONFIG`), prefixes every output line with the task (`[worker:1] ...`),
+and returns the exit code of the task that leads (the chief, or worker 0
+without one). Every task is stopped when the leader ends, when a training
+task fails, or on Ctrl-C / SIGTERM; each runs in its own process group, which
+is killed as a whole, so nothing is left behind.
+"""
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from keras_dist.cluster import ClusterConfig
+
+GRACE_SECONDS = 5.0
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(
+        prog="keras-dist-run",
+        description="Run a script as every task of a local TensorFlow cluster.",
+        epilog="Example: keras-dist-run --workers 2 --ps 1 -- python train.py --epochs 5")
+    parser.add_argument("--workers", type=int, default=2,
+                        help="number of worker tasks (default 2)")
+    parser.add_argument("--ps", type=int, default=0,
+                        help="number of parameter-server tasks; > 0 means asynchronous "
+                             "training with a chief (default 0: synchronous multi-worker)")
+    parser.add_argument("--evaluator", action="store_true",
+                        help="add an evaluator task")
+    parser.add_argument("command", nargs=argparse.REMAINDER,
+                        help="the command to run on every task, after --")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if args.workers < 1:
+        parser.error(f"--workers must be at least 1. Received: --workers {args.workers}.")
+    if args.ps < 0:
+        parser.error(f"--ps must be 0 or more. Received: --ps {args.ps}.")
+    if not command:
+        parser.error("no command given. Put it after --, e.g. "
+                     "keras-dist-run --workers 2 -- python train.py")
+    if shutil.which(command[0]) is None and not os.path.exists(command[0]):
+        parser.error(f"command {command[0]!r} not found.")
+    script = next((a for a in command[1:] if a.endswith(".py")), None)
+    if script is not None and not os.path.exists(script):
+        parser.error(f"script {script!r} does not exist (working directory: {os.getcwd()}).")
+    args.command = command
+    return args
+
+
+class Cluster:
+    """The running task processes of one launch."""
+
+    def __init__(self, config, command, env=None, out=None):
+        self.config, self.command = config, command
+        self.env = dict(os.environ if env is None else env)
+        self.out = out or sys.stdout
+        self.procs = {}
+        self._lock = threading.Lock()
+        self._threads = []
+
+    def tasks(self):
+        order = ("ps", "worker", "evaluator", "chief")  # servers first, chief last
+        return [(role, i) for role in order
+                for i in range(len(self.config.cluster.get(role, ())))]
+
+    @property
+    def leader(self):
+        return ("chief", 0) if "chief" in self.config.cluster else ("worker", 0)
+
+    def start(self):
+        for role, index in self.tasks():
+            env = dict(self.env)
+            env["TF_CONFIG"] = self.config.for_task(role, index).to_tf_config()
+            env["PYTHONUNBUFFERED"] = "1"
+            env.setdefault("GRPC_FAIL_FAST", "use_caller")
+            env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # servers dump their config at INFO
+            proc = subprocess.Popen(
+                self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True)
+            self.procs[(role, index)] = proc
+            thread = threading.Thread(target=self._pump, args=(f"{role}:{index}", proc),
+                                      daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def _pump(self, name, proc):
+        for raw in iter(proc.stdout.readline, b""):
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            with self._lock:
+                self.out.write(f"[{name}] {line}\n")
+                self.out.flush()
+        proc.stdout.close()
+
+    def wait(self):
+        """Waits for the leader (and, without ps, every worker); returns its code."""
+        training = [t for t in self.procs if t[0] in ("chief", "worker")]
+        must_finish = [self.leader] if self.config.num_ps else training
+        while True:
+            for task in training:
+                code = self.procs[task].poll()
+                if code not in (None, 0):
+                    self._say(f"{task[0]}:{task[1]} exited with code {code}; stopping the cluster")
+                    return code
+            if all(self.procs[t].poll() is not None for t in must_finish):
+                return self.procs[self.leader].returncode
+            time.sleep(0.1)
+
+    def stop(self):
+        """Stops every task: SIGTERM to each process group, SIGKILL after a grace period."""
+        alive = [p for p in self.procs.values() if p.poll() is None]
+        for proc in alive:
+            _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_SECONDS
+        for proc in alive:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for proc in self.procs.values():
+            _signal_group(proc, signal.SIGKILL)  # also reaps what a task started
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+        for thread in self._threads:
+            thread.join(timeout=2)
+
+    def _say(self, text):
+        with self._lock:
+            self.out.write(f"[keras-dist-run] {text}\n")
+            self.out.flush()
+
+
+def _signal_group(proc, sig):
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def main(argv=None):
+    """Entry point of `keras-dist-run` (also `python -m keras_dist.launch`)."""
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    config = ClusterConfig.local(workers=args.workers, ps=args.ps,
+                                 evaluator=args.evaluator)
+    cluster = Cluster(config, args.command)
+    cluster._say(f"cluster: {config.describe()}")
+
+    def on_signal(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_signal)
+    code = 1
+    try:
+        cluster.start()
+        code = cluster.wait()
+    except KeyboardInterrupt:
+        cluster._say("interrupted; stopping every task")
+        code = 130
+    finally:
+        cluster.stop()
+        signal.signal(signal.SIGTERM, previous)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

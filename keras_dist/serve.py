@@ -1,0 +1,114 @@
+"""Serving roles: `serve()` for worker / ps tasks, and waiting for a cluster.
+
+In parameter-server training only the chief runs the script's training code;
+`worker` and `ps` tasks run a `tf.distribute.Server` that executes what the
+chief schedules. The same script runs on every task: on worker and ps tasks
+`keras_dist.fit` (or an explicit `serve()`) serves and never returns.
+"""
+
+import logging
+import socket
+import time
+
+import tensorflow as tf
+
+from keras_dist.cluster import ClusterConfig
+
+logger = logging.getLogger("keras_dist")
+
+_SERVERS = {}
+
+
+def start_server(cluster):
+    """Starts (once per process) the `tf.distribute.Server` of this task.
+
+    Gives the server `inter_op_parallelism_threads >= workers + 1`: fewer
+    deadlock small machines (TensorFlow's parameter-server tutorial warns of
+    it; seen here on 2 cores).
+
+    Returns:
+        The running `tf.distribute.Server`.
+    """
+    if cluster.task_type is None:
+        raise ValueError(
+            "This process has no task in the cluster (TF_CONFIG has no 'task'). "
+            "Set TF_CONFIG's 'task' to this process's role and index.")
+    key = cluster.address
+    if key not in _SERVERS:
+        config = tf.compat.v1.ConfigProto()
+        config.inter_op_parallelism_threads = max(4, cluster.num_workers + 1)
+        _SERVERS[key] = tf.distribute.Server(
+            cluster.cluster_spec(), job_name=cluster.task_type,
+            task_index=cluster.task_index, protocol=cluster.rpc_layer,
+            config=config, start=True)
+        logger.info("keras_dist: %s:%d serving at %s", cluster.task_type,
+                    cluster.task_index, cluster.address)
+    return _SERVERS[key]
+
+
+def serve(cluster=None):
+    """Serves this worker / ps task until the process is stopped.
+
+    Call it on `worker` and `ps` tasks of a parameter-server cluster (the
+    launcher or the scheduler stops them when the chief is done).
+    `keras_dist.fit` and `AsyncModel.fit` call it for you on those tasks.
+
+    Args:
+        cluster: `ClusterConfig` or `None` to read `TF_CONFIG` / SLURM.
+
+    Example:
+
+    >>> import keras_dist as kd
+    >>> config = kd.ClusterConfig.local(workers=1, ps=1).for_task("chief")
+    >>> kd.serve(config)
+    Traceback (most recent call last):
+    ...
+    ValueError: keras_dist.serve() runs worker and ps tasks; this process is chief:0, which coordinates: call keras_dist.fit (or AsyncModel.fit) instead.
+
+    Raises:
+        ValueError: when there is no cluster, or this task is the chief.
+    """
+    cluster = cluster or ClusterConfig.from_env()
+    if cluster is None:
+        raise ValueError(
+            "keras_dist.serve() needs a cluster: set TF_CONFIG (or use "
+            "keras-dist-run) so this process knows its role.")
+    if cluster.task_type not in ("worker", "ps"):
+        raise ValueError(
+            f"keras_dist.serve() runs worker and ps tasks; this process is "
+            f"{cluster.task_type}:{cluster.task_index}, which coordinates: call "
+            "keras_dist.fit (or AsyncModel.fit) instead.")
+    start_server(cluster).join()
+
+
+def wait_for_tasks(cluster, timeout):
+    """Waits until every task's port accepts TCP connections.
+
+    TensorFlow itself would wait on a missing task with no message; this
+    turns that into an error naming the address after `timeout` seconds.
+
+    Raises:
+        TimeoutError: naming every task that did not come up.
+    """
+    pending = {f"{role}:{i}": address
+               for role, addresses in cluster.cluster.items()
+               if role in ("worker", "ps")
+               for i, address in enumerate(addresses)}
+    deadline = time.monotonic() + timeout
+    while pending:
+        for name, address in list(pending.items()):
+            host, _, port = address.rpartition(":")
+            try:
+                with socket.create_connection((host.strip("[]"), int(port)), timeout=1):
+                    del pending[name]
+            except OSError:
+                pass
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"Cluster tasks did not come up within {timeout:g} s: "
+                + ", ".join(f"{n} at {a}" for n, a in pending.items())
+                + ". Check that they were started with the same TF_CONFIG "
+                "cluster, or raise `connect_timeout`.")
+        time.sleep(0.2)

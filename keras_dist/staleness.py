@@ -1,0 +1,114 @@
+"""Staleness bookkeeping for asynchronous training.
+
+A parameter version counter lives on the parameter servers. Every step reads
+it before its forward pass and increments it once its update is applied, so
+
+    staleness (tau) = version just before this step's increment
+                      - version this step read
+
+is the number of updates other workers applied between this step reading the
+weights and writing its own. With N equally fast workers its mean approaches
+N - 1. Each step also reports which worker ran it and how long it took.
+
+The counter is updated with an atomic `assign_add` on the parameter server,
+so no two steps can claim the same version (dist-keras read its clock outside
+its lock; this does not).
+"""
+
+import dataclasses
+from typing import Dict, List
+
+import numpy as np
+import tensorflow as tf
+
+
+class VersionCounter:
+    """An int64 parameter version on the parameter servers.
+
+    Create it inside the `ParameterServerStrategy` scope; its variable is then
+    placed on a parameter server and shared by every worker.
+
+    Example:
+
+    >>> from keras_dist.staleness import VersionCounter
+    >>> counter = VersionCounter()
+    >>> read = counter.read()
+    >>> int(counter.increment() - 1 - read)   # nobody else updated: tau = 0
+    0
+    """
+
+    def __init__(self, name="keras_dist_version"):
+        self.variable = tf.Variable(
+            0, dtype=tf.int64, trainable=False, name=name,
+            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+
+    def read(self):
+        """The current version (a scalar int64 tensor)."""
+        return self.variable.read_value()
+
+    def increment(self):
+        """Atomically adds one; returns the new version."""
+        return self.variable.assign_add(1, read_value=True)
+
+    @property
+    def value(self):
+        """The current version as a Python int (reads the parameter server)."""
+        return int(self.variable.numpy())
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """What one scheduled execution reported.
+
+    Attributes:
+        worker: Integer. Index of the worker that ran it.
+        staleness: List of integers, one tau per step in the execution.
+        seconds: Float. Wall time the worker spent on the execution.
+    """
+
+    worker: int
+    staleness: List[int]
+    seconds: float
+
+
+class StalenessStats:
+    """Accumulates `StepRecord`s over an epoch and summarizes them for logs.
+
+    Example:
+
+    >>> from keras_dist.staleness import StalenessStats, StepRecord
+    >>> stats = StalenessStats()
+    >>> stats.add(StepRecord(worker=0, staleness=[0, 1], seconds=0.02))
+    >>> stats.add(StepRecord(worker=1, staleness=[1], seconds=0.01))
+    >>> stats.logs()["staleness_mean"], stats.logs()["staleness_max"]
+    (0.6666666666666666, 1)
+    >>> stats.updates_per_worker()
+    {0: 2, 1: 1}
+    """
+
+    def __init__(self):
+        self.records: List[StepRecord] = []
+
+    def add(self, record):
+        self.records.append(record)
+
+    def reset(self):
+        self.records = []
+
+    @property
+    def steps(self):
+        """Integer. Updates recorded so far."""
+        return sum(len(r.staleness) for r in self.records)
+
+    def updates_per_worker(self) -> Dict[int, int]:
+        counts: Dict[int, int] = {}
+        for record in self.records:
+            counts[record.worker] = counts.get(record.worker, 0) + len(record.staleness)
+        return dict(sorted(counts.items()))
+
+    def logs(self):
+        """`staleness_mean` and `staleness_max` for the epoch logs."""
+        taus = [t for r in self.records for t in r.staleness]
+        if not taus:
+            return {}
+        return {"staleness_mean": float(np.mean(taus)), "staleness_max": int(max(taus))}

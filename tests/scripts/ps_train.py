@@ -1,0 +1,68 @@
+"""Asynchronous digits training, run on every task by keras-dist-run.
+
+The chief writes what the tests check to out_dir/result.json and saves the
+model. argv: out_dir [steps_per_execution].
+"""
+
+import json
+import os
+import sys
+
+import keras_dist as kd
+
+strategy = kd.resolve_strategy()
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+from keras_dist.datasets import load_digits  # noqa: E402
+
+
+def build_model():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((64,)),
+        keras.layers.Dense(64, activation="relu"),
+        keras.layers.Dense(10, activation="softmax"),
+    ])
+    model.compile(keras.optimizers.SGD(0.05, momentum=0.9),
+                  "sparse_categorical_crossentropy", metrics=["accuracy"],
+                  steps_per_execution=int(sys.argv[2]) if len(sys.argv) > 2 else 1)
+    return model
+
+
+def main(out_dir):
+    (x, y), (x_test, y_test) = load_digits()
+    batches = []
+
+    class CountBatches(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            batches.append(batch)
+
+    epochs, steps = 4, 45
+    history = kd.fit(build_model, x, y, strategy=strategy, epochs=epochs,
+                     steps_per_epoch=steps, batch_size=32, verbose=2,
+                     validation_data=(x_test, y_test), callbacks=[CountBatches()])
+    model = history.model
+    result = model.evaluate(x_test, y_test, return_dict=True, verbose=0)
+    path = os.path.join(out_dir, "model.keras")
+    model.save(path)
+    reloaded = keras.models.load_model(path)
+    same = np.allclose(reloaded.predict(x_test, verbose=0), model.predict(x_test, verbose=0),
+                       atol=1e-6)
+    stats = model.staleness_stats
+    with open(os.path.join(out_dir, "result.json"), "w") as f:
+        json.dump({
+            "history": history.history,
+            "test_accuracy": result["accuracy"],
+            "version": model.version,
+            "scheduled_steps": epochs * steps,
+            "batches_seen": len(batches),
+            "updates_per_worker": {str(k): v for k, v in stats.updates_per_worker().items()},
+            "reloaded_class": type(reloaded).__name__,
+            "reloaded_predictions_match": bool(same),
+        }, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
