@@ -14,9 +14,9 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -e '.[test,examples,docs]'
 	touch $(STAMP)
 
-## demo: train the digits MLP with keras_dist.fit and report test accuracy
+## demo: asynchronous training on a local cluster (chief, 2 workers, 1 ps) on the bundled digits
 demo: $(STAMP)
-	$(PY) examples/train_digits.py
+	$(VENV)/bin/keras-dist-run --workers 2 --ps 1 -- $(PY) examples/train_digits.py
 
 ## test: the whole test suite (pytest exit 5, "no tests ran", counts as failure), then the docs build
 test: $(STAMP)

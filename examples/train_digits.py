@@ -7,6 +7,7 @@ MultiWorkerMirroredStrategy must configure collective ops at start-up.
 
 Usage:
 
+    keras-dist-run --workers 2 --ps 1 -- python examples/train_digits.py  # async
     python examples/train_digits.py
     python examples/train_digits.py --strategy=mirrored --epochs=10
 
@@ -24,7 +25,8 @@ import keras_dist as kd
 
 _STRATEGY = flags.DEFINE_string(
     "strategy", "auto",
-    "Strategy name: auto, default, one_device, mirrored or multi_worker. "
+    "Strategy name: auto, default, one_device, mirrored, multi_worker or "
+    "parameter_server. "
     "'auto' picks from KERAS_DIST_STRATEGY, TF_CONFIG / SLURM and local GPUs.")
 _EPOCHS = flags.DEFINE_integer("epochs", 20, "Passes over the training set.")
 _BATCH_SIZE = flags.DEFINE_integer(
@@ -74,6 +76,11 @@ def main(argv):
     kind = kd.choose_strategy(_STRATEGY.value).kind.value
     print(f"test accuracy: {results['accuracy']:.4f} "
           f"(strategy: {kind}, replicas: {strategy.num_replicas_in_sync})")
+    if "staleness_mean" in history.history:
+        means = history.history["staleness_mean"]
+        print(f"asynchronous updates: {history.model.version}, staleness mean "
+              f"{sum(means) / len(means):.2f} (last epoch {means[-1]:.2f}), max "
+              f"{max(history.history['staleness_max']):.0f}")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from keras_dist import data as data_lib
 from keras_dist.cluster import ClusterConfig
-from keras_dist.loop import pythonify, should_eval
+from keras_dist.loop import pythonify, quiet_tf_logger, should_eval
 from keras_dist.staleness import StalenessStats, StepRecord
 
 INFO_KEYS = ("staleness", "worker", "step_seconds")
@@ -87,7 +87,8 @@ def fit_async(model, strategy, x=None, y=None, *, batch_size=None, epochs=1,
             callbacks.on_train_batch_end(end, logs)
             if model.stop_training:
                 break
-        coordinator.join()
+        with quiet_tf_logger("WARNING"):  # join() logs at INFO on every call
+            coordinator.join()
         epoch_logs = {k: pythonify(v) for k, v in model.get_metrics_result().items()}
         epoch_logs.update(stats.logs())
         if validation_data is not None and should_eval(epoch, validation_freq):

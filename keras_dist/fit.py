@@ -132,6 +132,8 @@ def evaluate(model, x=None, y=None, *, strategy=None, **evaluate_kwargs):
     True
     """
     dist = strategy or model.distribute_strategy
+    if isinstance(dist, tf.distribute.ParameterServerStrategy):
+        return AsyncModel.evaluate(model, x, y, **evaluate_kwargs)
     if _needs_own_loop(dist):
         return loop.evaluate_loop(model, dist, x, y, **evaluate_kwargs)
     if is_dataset_fn(x):

@@ -20,6 +20,7 @@ Keras' own loop fails, and the tests check that both give the same weights
 under `MirroredStrategy`.
 """
 
+import contextlib
 import warnings
 
 import keras
@@ -166,13 +167,8 @@ class _StepFunctions:
 
     def _run_eagerly(self, k, iterator):
         self._function(k)
-        tf_logger = tf.get_logger()
-        level = tf_logger.level
-        tf_logger.setLevel("ERROR")  # one eager step: the overhead warning misleads
-        try:
+        with quiet_tf_logger():  # one eager step: the overhead warning misleads
             return self._eager[k](iterator)
-        finally:
-            tf_logger.setLevel(level)
 
     def steps(self, iterator, total):
         """Yields `(begin, None, None)` before and `(begin, end, logs)` after
@@ -198,6 +194,18 @@ class _StepFunctions:
                 return
             yield begin, begin + k - 1, logs
             begin += k
+
+
+@contextlib.contextmanager
+def quiet_tf_logger(level="ERROR"):
+    """Raises the `tensorflow` logger's level for a block, then restores it."""
+    tf_logger = tf.get_logger()
+    previous = tf_logger.level
+    tf_logger.setLevel(level)
+    try:
+        yield
+    finally:
+        tf_logger.setLevel(previous)
 
 
 def _distribute_validation(strategy, validation_data, batch_size, steps):

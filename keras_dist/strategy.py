@@ -177,9 +177,10 @@ def resolve_strategy(strategy="auto", cluster=None, devices=None, *,
     """Returns the `tf.distribute.Strategy` this process should train with.
 
     Decides with `choose_strategy` (see it for the order of precedence), logs
-    one line saying what it chose and why, and builds the strategy. Cluster
-    strategies are built once per process and cluster and then reused,
-    because TensorFlow allows only one collective runtime per process.
+    one line saying what it chose and why, and builds the strategy. Mirrored
+    and cluster strategies are built once per process (per device set /
+    cluster) and then reused: TensorFlow allows one collective runtime per
+    process, and two strategies' all-reduces would collide.
 
     Args:
         strategy: String or `tf.distribute.Strategy`. A strategy instance is
@@ -225,7 +226,7 @@ def resolve_strategy(strategy="auto", cluster=None, devices=None, *,
                           connect_timeout=connect_timeout)
 
 
-_CLUSTER_STRATEGIES = {}
+_STRATEGIES = {}
 
 
 def build_strategy(choice, *, variable_partitioner=None, connect_timeout=120.0):
@@ -258,19 +259,26 @@ def build_strategy(choice, *, variable_partitioner=None, connect_timeout=120.0):
     if kind is StrategyKind.ONE_DEVICE:
         return tf.distribute.OneDeviceStrategy(choice.devices[0] if choice.devices else "/cpu:0")
     if kind is StrategyKind.MIRRORED:
-        return tf.distribute.MirroredStrategy(list(choice.devices) or None)
+        # One instance per device set: two MirroredStrategy objects in one
+        # process reuse collective instance keys, and the second one's
+        # all-reduces then abort with "Shape mismatch in the collective".
+        key = (kind, choice.devices)
+        if key not in _STRATEGIES:
+            _STRATEGIES[key] = tf.distribute.MirroredStrategy(
+                list(choice.devices) or None)
+        return _STRATEGIES[key]
     if kind is StrategyKind.PARAMETER_SERVER and choice.cluster.task_type in (
             "worker", "ps"):
         start_server(choice.cluster)
         return tf.distribute.get_strategy()
     key = (kind, choice.cluster.to_tf_config() if choice.cluster else None)
-    if key not in _CLUSTER_STRATEGIES:
+    if key not in _STRATEGIES:
         if kind is StrategyKind.PARAMETER_SERVER:
-            _CLUSTER_STRATEGIES[key] = _parameter_server(
+            _STRATEGIES[key] = _parameter_server(
                 choice.cluster, variable_partitioner, connect_timeout)
         else:
-            _CLUSTER_STRATEGIES[key] = _multi_worker(choice.cluster)
-    return _CLUSTER_STRATEGIES[key]
+            _STRATEGIES[key] = _multi_worker(choice.cluster)
+    return _STRATEGIES[key]
 
 
 def _parameter_server(cluster, variable_partitioner, connect_timeout):

@@ -16,11 +16,16 @@ import keras_dist
 
 MODULES = (
     "keras_dist",
+    "keras_dist.async_loop",
+    "keras_dist.async_model",
     "keras_dist.cluster",
     "keras_dist.data",
     "keras_dist.datasets",
     "keras_dist.fit",
+    "keras_dist.launch",
     "keras_dist.loop",
+    "keras_dist.serve",
+    "keras_dist.staleness",
     "keras_dist.strategy",
 )
 OPTIONFLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE

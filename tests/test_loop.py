@@ -14,13 +14,14 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import keras_dist as kd
 from conftest import CPUS
 from keras_dist import loop
 
 
 @pytest.fixture(scope="module")
 def strategy():
-    return tf.distribute.MirroredStrategy(CPUS)
+    return kd.resolve_strategy("mirrored", devices=CPUS)
 
 
 @pytest.fixture(scope="module")

@@ -259,3 +259,11 @@ def test_resolve_logs_one_line_with_choice_and_reason(clean_env, keras_dist_log)
     message = records[0].getMessage()
     assert "mirrored" in message
     assert "strategy argument" in message
+
+
+def test_mirrored_strategy_is_built_once_per_device_set(clean_env):
+    """A second MirroredStrategy in one process collides with the first one's
+    collective keys ("Shape mismatch in the collective"), so it is reused."""
+    first = resolve_strategy("mirrored", devices=CPUS)
+    assert resolve_strategy("mirrored", devices=CPUS) is first
+    assert resolve_strategy("mirrored", devices=CPUS[:1]) is not first

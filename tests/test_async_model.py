@@ -1,0 +1,120 @@
+"""AsyncModel outside parameter-server training: exactly a keras.Model."""
+
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+from procs import REPO
+
+import keras_dist as kd
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(96, 5)).astype("float32")
+    return x, (x.sum(1, keepdims=True) > 0).astype("float32")
+
+
+def layers():
+    """Two built layers with seeded weights (built now, so the seed decides)."""
+    keras.utils.set_random_seed(11)
+    hidden = keras.layers.Dense(8, activation="relu")
+    out = keras.layers.Dense(1, activation="sigmoid")
+    hidden.build((None, 5))
+    out.build((None, 8))
+    return [hidden, out]
+
+
+def compile_(model):
+    model.compile(keras.optimizers.Adam(0.01), "binary_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def functional(cls):
+    inputs = keras.Input((5,))
+    hidden, out = layers()
+    return compile_(cls(inputs, out(hidden(inputs))))
+
+
+class Subclassed(kd.AsyncModel):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden, self.out = layers()
+
+    def call(self, inputs):
+        return self.out(self.hidden(inputs))
+
+
+class PlainSubclassed(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden, self.out = layers()
+
+    def call(self, inputs):
+        return self.out(self.hidden(inputs))
+
+
+@pytest.mark.parametrize("make_async, make_plain", [
+    (lambda: functional(kd.AsyncModel), lambda: functional(keras.Model)),
+    (lambda: kd.AsyncModel.from_model(compile_(keras.Sequential([keras.Input((5,)), *layers()]))),
+     lambda: compile_(keras.Sequential([keras.Input((5,)), *layers()]))),
+], ids=["functional", "from_model"])
+def test_trains_exactly_like_keras_model_without_parameter_servers(data, make_async, make_plain):
+    x, y = data
+    async_model, plain = make_async(), make_plain()
+    assert isinstance(async_model, kd.AsyncModel)
+    h_async = async_model.fit(x, y, epochs=3, batch_size=16, shuffle=False, verbose=0)
+    h_plain = plain.fit(x, y, epochs=3, batch_size=16, shuffle=False, verbose=0)
+    np.testing.assert_allclose(h_async.history["loss"], h_plain.history["loss"], rtol=1e-6)
+    np.testing.assert_allclose(async_model.predict(x, verbose=0), plain.predict(x, verbose=0),
+                               rtol=1e-5, atol=1e-6)
+    assert async_model.version is None  # no asynchronous training happened
+    assert "staleness_mean" not in h_async.history
+
+
+def test_subclass_trains_like_keras_model_in_a_fresh_process():
+    """Subclassing AsyncModel, in its own interpreter: Keras rewrites a Model
+    subclass's bases (inject_functional_model_class) the first time it is
+    called functionally, after which subclasses of it can no longer be built
+    without inputs/outputs. This pins the documented subclass path."""
+    code = (
+        "import numpy as np, keras, sys; sys.path.insert(0, 'tests')\n"
+        "import test_async_model as t\n"
+        "x, y = t.data.__wrapped__()\n"
+        "a, p = t.compile_(t.Subclassed()), t.compile_(t.PlainSubclassed())\n"
+        "ha = a.fit(x, y, epochs=3, batch_size=16, shuffle=False, verbose=0)\n"
+        "hp = p.fit(x, y, epochs=3, batch_size=16, shuffle=False, verbose=0)\n"
+        "np.testing.assert_allclose(ha.history['loss'], hp.history['loss'], rtol=1e-6)\n"
+        "print('OK', type(a).__mro__[1].__name__)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "OK AsyncModel" in proc.stdout
+
+
+def test_from_model_shares_weights_and_compile_settings():
+    seq = compile_(keras.Sequential([keras.Input((5,)), *layers()]))
+    model = kd.AsyncModel.from_model(seq)
+    assert [id(w) for w in model.weights] == [id(w) for w in seq.weights]
+    assert model.loss == "binary_crossentropy"
+    assert kd.AsyncModel.from_model(model) is model
+
+
+def test_from_model_rejects_models_without_inputs():
+    with pytest.raises(ValueError, match="needs a functional or Sequential model with defined inputs"):
+        kd.AsyncModel.from_model(PlainSubclassed())
+
+
+def test_keras_save_load_round_trip(tmp_path, data):
+    x, y = data
+    model = functional(kd.AsyncModel)
+    model.fit(x, y, epochs=1, verbose=0)
+    model.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    assert type(loaded) is kd.AsyncModel
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), atol=1e-6)
+    loaded.fit(x, y, epochs=1, verbose=0)  # and training continues
