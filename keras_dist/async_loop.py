@@ -52,6 +52,7 @@ def fit_async(model, strategy, x=None, y=None, *, batch_size=None, epochs=1,
         strategy, x, y, sample_weight, batch_size, shuffle, class_weight,
         steps_per_epoch)
     model.build_async_state(sample)
+    model._kd_async = True  # train_step does the bookkeeping from now on
     iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
     per_call = max(1, int(model.steps_per_execution or 1))
     step_fn = _make_step_function(model, strategy, per_call)
@@ -101,6 +102,7 @@ def fit_async(model, strategy, x=None, y=None, *, batch_size=None, epochs=1,
         if model.stop_training:
             break
     callbacks.on_train_end(logs=epoch_logs)
+    model._kd_async = False
     return model.history
 
 
@@ -163,7 +165,7 @@ def _per_worker_input(strategy, x, y, sample_weight, batch_size, shuffle,
     def dataset_fn():
         return data_lib.from_arrays(x, y, sample_weight, batch_size=batch_size,
                                     shuffle=shuffle, class_weight=class_weight,
-                                    seed=None).repeat()
+                                    seed=None, repeat=True)
 
     sample = (x[:2],) if y is None else (x[:2], y[:2])
     return dataset_fn, steps, sample

@@ -115,6 +115,16 @@ class AsyncModel(keras.Model):
             if y is not None:
                 self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
                 self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+            sharded = [w.path for w in self.trainable_weights if _sharded(w)]
+            if sharded:
+                raise ValueError(
+                    f"Variables {sharded} were split into shards by the strategy's "
+                    "variable_partitioner, but Keras 3's optimizer cannot update a "
+                    "sharded variable (its update asks TF to colocate with the "
+                    "ShardedVariable: \"ShardedVariable doesn't support being used "
+                    "as a reference\"). Build the strategy without "
+                    "variable_partitioner (the variables are then placed whole, "
+                    "round-robin over the parameter servers).")
             self.optimizer.build(self.trainable_variables)
             self.reset_metrics()
 
@@ -150,13 +160,55 @@ class AsyncModel(keras.Model):
         return logs, info
 
     def _tracked_step(self, data, after):
+        with tf.control_dependencies([after]):
+            logs = dict(self.train_step(data))
+        tau = logs.pop("staleness")
+        return logs, tau
+
+    def train_step(self, data):
+        """Keras' train step; under parameter servers, with staleness known.
+
+        Outside asynchronous training this is `keras.Model.train_step`.
+        Inside it, the step reads the parameter version before its forward
+        pass, computes loss and gradients, claims the next version (so its
+        staleness tau is known *before* the update is applied), applies the
+        update and returns the metrics plus `staleness`.
+
+        Metric state lives on the parameter servers and several workers
+        update it at once, but Keras' `Variable.assign_add` is a read then a
+        write, which loses updates under that race (seen: accuracy 1.08).
+        So each step computes its metric *deltas* statelessly
+        (`Metric.stateless_update_state` from zeros) and adds them with TF's
+        atomic `assign_add`. That is exact for Keras' built-in metrics, whose
+        state is sums and counts. A subclass that overrides `train_step` keeps Keras semantics but
+        loses this bookkeeping.
+        """
+        if not getattr(self, "_kd_async", False):
+            return super().train_step(data)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         read = self._kd_version.read()
-        with tf.control_dependencies([read, after]):
-            # Every op of the step, weight reads included, runs after the read.
-            logs = self.train_step(data)
-        with tf.control_dependencies(tf.nest.flatten(logs)):
-            new_version = self._kd_version.increment()
-        return logs, new_version - 1 - read
+        with tf.control_dependencies([read]):  # weights are read after the version
+            with tf.GradientTape() as tape:
+                y_pred = self(x, training=True)
+                loss = self.compute_loss(x=x, y=y, y_pred=y_pred,
+                                         sample_weight=sample_weight, training=True)
+                scaled = self.optimizer.scale_loss(loss)
+            batch = tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
+            weights = self.trainable_weights
+            gradients = tape.gradient(scaled, weights)
+        with tf.control_dependencies(tf.nest.flatten(gradients)):
+            tau = self._kd_version.increment() - 1 - read
+        self.optimizer.apply_gradients(zip(gradients, weights))
+        updates = []
+        for metric in self.metrics:
+            if metric.name == "loss":
+                updates += _add_atomically(metric, loss, sample_weight=batch)
+            elif metric.name == "compile_metrics":
+                updates += _add_atomically(metric, y, y_pred, sample_weight=sample_weight)
+        with tf.control_dependencies(updates):
+            logs = dict(self.get_metrics_result())
+        logs["staleness"] = tau
+        return logs
 
     # --------------------------------------------------------------- inference
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto",
@@ -186,3 +238,15 @@ class AsyncModel(keras.Model):
         outputs = [predict(keras.utils.unpack_x_y_sample_weight(b)[0]) for b in dataset]
         return tf.nest.map_structure(lambda *parts: np.concatenate(
             [p.numpy() for p in parts]), *outputs)
+
+
+def _add_atomically(metric, *args, **kwargs):
+    """Adds one batch's contribution to `metric`'s state with atomic adds."""
+    zeros = [tf.zeros(v.shape, v.dtype) for v in metric.variables]
+    deltas = metric.stateless_update_state(zeros, *args, **kwargs)
+    return [v.value.assign_add(d) for v, d in zip(metric.variables, deltas)]
+
+
+def _sharded(variable):
+    """Whether TF's partitioner split this Keras variable into shards."""
+    return isinstance(getattr(variable.value, "variables", None), (list, tuple))

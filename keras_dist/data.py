@@ -69,12 +69,14 @@ def split_validation(arrays, validation_split):
 
 
 def from_arrays(x, y=None, sample_weight=None, *, batch_size=None, shuffle=True,
-                class_weight=None, seed=DEFAULT_SHUFFLE_SEED):
+                class_weight=None, seed=DEFAULT_SHUFFLE_SEED, repeat=False):
     """A batched `tf.data.Dataset` from arrays, with Keras' `fit` semantics.
 
     `batch_size` is the global batch size (as in `keras.Model.fit` under a
     strategy). Shuffling uses a fixed seed so every worker of a multi-worker
-    job draws the same order and the data shards stay disjoint.
+    job draws the same order and the data shards stay disjoint. With
+    `repeat=True` the examples repeat forever before batching, so every batch
+    is full (what asynchronous workers reading a stream want).
     """
     if class_weight is not None:
         if y is None:
@@ -88,6 +90,8 @@ def from_arrays(x, y=None, sample_weight=None, *, batch_size=None, shuffle=True,
     dataset = tf.data.Dataset.from_tensor_slices(arrays)
     if shuffle:
         dataset = dataset.shuffle(n, seed=seed, reshuffle_each_iteration=True)
+    if repeat:
+        dataset = dataset.repeat()
     dataset = dataset.batch(batch_size or DEFAULT_BATCH_SIZE)
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = (

@@ -118,3 +118,17 @@ def test_keras_save_load_round_trip(tmp_path, data):
     assert type(loaded) is kd.AsyncModel
     np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), atol=1e-6)
     loaded.fit(x, y, epochs=1, verbose=0)  # and training continues
+
+
+def test_async_input_errors_are_clear():
+    import tensorflow as tf
+
+    from keras_dist.async_loop import _per_worker_input
+
+    unknown = tf.data.Dataset.range(10).filter(lambda i: i > 2).map(lambda i: (i, i))
+    with pytest.raises(ValueError, match="unknown or infinite length; pass `steps_per_epoch`"):
+        _per_worker_input(None, unknown, None, None, 8, True, None, None)
+    with pytest.raises(ValueError, match="dataset_fn.*pass `steps_per_epoch`"):
+        _per_worker_input(None, lambda ctx: unknown, None, None, 8, True, None, None)
+    with pytest.raises(ValueError, match="positive integer. Received: 0"):
+        _per_worker_input(None, np.zeros((4, 2)), np.zeros(4), None, 8, True, None, 0)

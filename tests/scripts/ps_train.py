@@ -35,15 +35,21 @@ def main(out_dir):
     (x, y), (x_test, y_test) = load_digits()
     batches = []
 
+    counted = []
+
     class CountBatches(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
             batches.append(batch)
+            # Results arrive in order, so at an epoch's last batch every update
+            # of the epoch is done: the "loss" mean's count is its examples.
+            counted.append(float(self.model.metrics[0].variables[1].numpy()))
 
     epochs, steps = 4, 45
     history = kd.fit(build_model, x, y, strategy=strategy, epochs=epochs,
                      steps_per_epoch=steps, batch_size=32, verbose=2,
                      validation_data=(x_test, y_test), callbacks=[CountBatches()])
     model = history.model
+    loss_count = counted[-1]
     result = model.evaluate(x_test, y_test, return_dict=True, verbose=0)
     path = os.path.join(out_dir, "model.keras")
     model.save(path)
@@ -59,6 +65,7 @@ def main(out_dir):
             "scheduled_steps": epochs * steps,
             "batches_seen": len(batches),
             "updates_per_worker": {str(k): v for k, v in stats.updates_per_worker().items()},
+            "last_epoch_examples_counted": loss_count,
             "reloaded_class": type(reloaded).__name__,
             "reloaded_predictions_match": bool(same),
         }, f)
