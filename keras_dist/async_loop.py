@@ -26,7 +26,6 @@ from keras_dist.cluster import ClusterConfig
 from keras_dist.loop import pythonify, quiet_tf_logger, should_eval
 from keras_dist.staleness import StalenessStats, StepRecord
 
-INFO_KEYS = ("staleness", "worker", "step_seconds")
 
 
 def fit_async(model, strategy, x=None, y=None, *, batch_size=None, epochs=1,
@@ -55,7 +54,7 @@ def fit_async(model, strategy, x=None, y=None, *, batch_size=None, epochs=1,
     model._kd_async = True  # train_step does the bookkeeping from now on
     iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
     per_call = max(1, int(model.steps_per_execution or 1))
-    step_fn = _make_step_function(model, strategy, per_call)
+    step_fn = _step_function(model, strategy, per_call)
 
     if not isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = keras.callbacks.CallbackList(
@@ -65,7 +64,7 @@ def fit_async(model, strategy, x=None, y=None, *, batch_size=None, epochs=1,
     model.staleness_stats = stats
     # Closures in flight: enough to keep every worker busy while the chief
     # waits for the oldest result.
-    window = 4 * _num_workers()
+    window = WINDOW_PER_WORKER * _num_workers()
 
     model.stop_training = False
     callbacks.on_train_begin()
@@ -80,11 +79,11 @@ def fit_async(model, strategy, x=None, y=None, *, batch_size=None, epochs=1,
             while scheduled < steps and len(pending) < window:
                 k = min(per_call, steps - scheduled)
                 callbacks.on_train_batch_begin(scheduled)
-                fn = step_fn if k == per_call else _make_step_function(model, strategy, k)
+                fn = step_fn if k == per_call else _step_function(model, strategy, k)
                 pending.append((scheduled + k - 1, coordinator.schedule(fn, args=(iterator,))))
                 scheduled += k
             end, remote = pending.popleft()
-            logs = _record(remote.fetch(), stats)
+            logs = _record(remote.fetch(), stats, model.async_log_names)
             callbacks.on_train_batch_end(end, logs)
             if model.stop_training:
                 break
@@ -106,27 +105,40 @@ def fit_async(model, strategy, x=None, y=None, *, batch_size=None, epochs=1,
     return model.history
 
 
+WINDOW_PER_WORKER = 16
+"""Closures scheduled ahead per worker while the chief waits on the oldest."""
+
+
 def _num_workers():
     cluster = ClusterConfig.from_env()
     return len(cluster.cluster.get("worker", ())) if cluster is not None else 4
 
 
-def _make_step_function(model, strategy, k):
-    @tf.function
-    def run_steps(iterator):
-        def replica_fn(data_iterator):
-            return model.async_train_steps(data_iterator, k)
-        return strategy.run(replica_fn, args=(iterator,))
-    return run_steps
+def _step_function(model, strategy, k):
+    """The `tf.function` running `k` steps on a worker; cached on the model
+    (like Keras' `train_function`) so later `fit` calls do not retrace."""
+    # Kept in __dict__ so Keras' attribute tracking leaves it alone. Keyed by
+    # the optimizer too: a new compile() must not reuse a function that
+    # captured the old optimizer (Keras' compile resets train_function).
+    cache = model.__dict__.setdefault("_kd_step_functions", {})
+    key = (id(strategy), id(model.optimizer), k)
+    if key not in cache:
+        @tf.function
+        def run_steps(iterator):
+            def replica_fn(data_iterator):
+                return model.async_train_steps(data_iterator, k)
+            return strategy.run(replica_fn, args=(iterator,))
+        cache[key] = run_steps
+    return cache[key]
 
 
-def _record(result, stats):
-    logs, info = result
-    stats.add(StepRecord(
-        worker=int(info["worker"]),
-        staleness=[int(t) for t in np.atleast_1d(info["staleness"])],
-        seconds=float(info["step_seconds"])))
-    return {k: pythonify(v) for k, v in logs.items()}
+def _record(result, stats, names):
+    """Unpacks one closure's vector (see `AsyncModel.async_train_steps`)."""
+    values = result.numpy() if hasattr(result, "numpy") else np.asarray(result)
+    n = len(names)
+    stats.add(StepRecord(worker=int(values[n]), staleness=[int(t) for t in values[n + 2:]],
+                         seconds=float(values[n + 1])))
+    return {name: float(v) for name, v in zip(names, values[:n])}
 
 
 def _per_worker_input(strategy, x, y, sample_weight, batch_size, shuffle,

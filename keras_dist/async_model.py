@@ -137,33 +137,29 @@ class AsyncModel(keras.Model):
     def async_train_steps(self, iterator, steps):
         """Runs `steps` train steps on one worker with staleness bookkeeping.
 
-        Returns `(logs, info)`: the last step's logs and `info` with
-        `staleness` (one tau per step), `worker` and `step_seconds`.
+        Returns one float64 vector (a single tensor is a single copy back to
+        the chief): the metric results after the last step, in the order of
+        `async_log_names`, then `worker`, `step_seconds` and one tau per step.
         """
         taus = []
         start = None
-        logs = {}
         for _ in range(steps):
             data = next(iterator)
             if start is None:
                 with tf.control_dependencies(tf.nest.flatten(data)):
                     start = tf.timestamp()
-            logs, tau = self._tracked_step(data, start)
+            with tf.control_dependencies([start] + taus):
+                tau, updates = self._async_update(data)
             taus.append(tau)
-        with tf.control_dependencies(taus):
+        with tf.control_dependencies(updates + taus):
+            logs = self.get_metrics_result()
             seconds = tf.timestamp() - start
-        info = {
-            "staleness": tf.stack(taus),
-            "worker": tf.distribute.coordinator.experimental_get_current_worker_index(),
-            "step_seconds": seconds,
-        }
-        return logs, info
-
-    def _tracked_step(self, data, after):
-        with tf.control_dependencies([after]):
-            logs = dict(self.train_step(data))
-        tau = logs.pop("staleness")
-        return logs, tau
+        self.async_log_names = sorted(logs)
+        worker = tf.distribute.coordinator.experimental_get_current_worker_index()
+        return tf.concat([
+            tf.stack([tf.cast(logs[name], tf.float64) for name in self.async_log_names]
+                     + [tf.cast(worker, tf.float64), seconds]),
+            tf.cast(tf.stack(taus), tf.float64)], axis=0)
 
     def train_step(self, data):
         """Keras' train step; under parameter servers, with staleness known.
@@ -180,11 +176,20 @@ class AsyncModel(keras.Model):
         So each step computes its metric *deltas* statelessly
         (`Metric.stateless_update_state` from zeros) and adds them with TF's
         atomic `assign_add`. That is exact for Keras' built-in metrics, whose
-        state is sums and counts. A subclass that overrides `train_step` keeps Keras semantics but
-        loses this bookkeeping.
+        state is sums and counts. The asynchronous loop calls the same update
+        (`async_train_steps`); a subclass that overrides `train_step` keeps
+        Keras semantics where it is called.
         """
         if not getattr(self, "_kd_async", False):
             return super().train_step(data)
+        tau, updates = self._async_update(data)
+        with tf.control_dependencies(updates):
+            logs = dict(self.get_metrics_result())
+        logs["staleness"] = tau
+        return logs
+
+    def _async_update(self, data):
+        """One asynchronous update; returns `(tau, metric update ops)`."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         read = self._kd_version.read()
         with tf.control_dependencies([read]):  # weights are read after the version
@@ -205,10 +210,7 @@ class AsyncModel(keras.Model):
                 updates += _add_atomically(metric, loss, sample_weight=batch)
             elif metric.name == "compile_metrics":
                 updates += _add_atomically(metric, y, y_pred, sample_weight=sample_weight)
-        with tf.control_dependencies(updates):
-            logs = dict(self.get_metrics_result())
-        logs["staleness"] = tau
-        return logs
+        return tau, updates
 
     # --------------------------------------------------------------- inference
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto",
