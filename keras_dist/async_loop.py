@@ -92,8 +92,9 @@ def fit_async(model, strategy, x=None, y=None, *, batch_size=None, epochs=1,
         epoch_logs = {k: pythonify(v) for k, v in model.get_metrics_result().items()}
         epoch_logs.update(stats.logs())
         if validation_data is not None and should_eval(epoch, validation_freq):
+            vx, vy, vsw = _unpack_validation(validation_data)
             val_logs = model.evaluate(
-                *_as_xy(validation_data), batch_size=validation_batch_size or batch_size,
+                vx, vy, sample_weight=vsw, batch_size=validation_batch_size or batch_size,
                 steps=validation_steps, callbacks=callbacks, return_dict=True,
                 verbose=0)
             epoch_logs.update({"val_" + k: v for k, v in val_logs.items()})
@@ -144,6 +145,14 @@ def _record(result, stats, names):
 def _per_worker_input(strategy, x, y, sample_weight, batch_size, shuffle,
                       class_weight, steps):
     """A per-worker `dataset_fn`, the steps of one epoch, and a sample batch."""
+    if isinstance(x, tf.data.Dataset) or data_lib.is_dataset_fn(x):
+        for name, value in (("y", y), ("sample_weight", sample_weight),
+                            ("class_weight", class_weight)):
+            if value is not None:
+                raise ValueError(
+                    f"`{name}` must be None when `x` is a tf.data.Dataset or a "
+                    "dataset_fn (the dataset yields targets and weights). "
+                    "Received a value for it.")
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int)
                               or steps < 1):
         raise ValueError(f"`steps_per_epoch` must be a positive integer. Received: {steps!r}.")
@@ -183,12 +192,10 @@ def _per_worker_input(strategy, x, y, sample_weight, batch_size, shuffle,
     return dataset_fn, steps, sample
 
 
-def _as_xy(validation_data):
+def _unpack_validation(validation_data):
     if isinstance(validation_data, tf.data.Dataset):
-        return (validation_data,)
+        return validation_data, None, None
     if not isinstance(validation_data, (tuple, list)) or not 2 <= len(validation_data) <= 3:
         raise ValueError("`validation_data` must be a tf.data.Dataset or a tuple "
-                         "(x_val, y_val[, sample_weight]).")
-    return tuple(validation_data[:2])
-
-
+                         "(x_val, y_val[, val_sample_weight]).")
+    return (tuple(validation_data) + (None,))[:3]

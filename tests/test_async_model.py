@@ -132,3 +132,13 @@ def test_async_input_errors_are_clear():
         _per_worker_input(None, lambda ctx: unknown, None, None, 8, True, None, None)
     with pytest.raises(ValueError, match="positive integer. Received: 0"):
         _per_worker_input(None, np.zeros((4, 2)), np.zeros(4), None, 8, True, None, 0)
+
+
+def test_async_input_rejects_weights_beside_a_dataset():
+    import tensorflow as tf
+
+    from keras_dist.async_loop import _per_worker_input
+
+    dataset = tf.data.Dataset.from_tensor_slices((np.zeros((4, 2)), np.zeros(4))).batch(2)
+    with pytest.raises(ValueError, match="`class_weight` must be None when `x` is a tf.data"):
+        _per_worker_input(None, dataset, None, None, 8, True, {0: 1.0}, None)
