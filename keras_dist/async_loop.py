@@ -146,13 +146,7 @@ def _per_worker_input(strategy, x, y, sample_weight, batch_size, shuffle,
                       class_weight, steps):
     """A per-worker `dataset_fn`, the steps of one epoch, and a sample batch."""
     if isinstance(x, tf.data.Dataset) or data_lib.is_dataset_fn(x):
-        for name, value in (("y", y), ("sample_weight", sample_weight),
-                            ("class_weight", class_weight)):
-            if value is not None:
-                raise ValueError(
-                    f"`{name}` must be None when `x` is a tf.data.Dataset or a "
-                    "dataset_fn (the dataset yields targets and weights). "
-                    "Received a value for it.")
+        data_lib.check_nothing_beside_dataset(y, sample_weight, class_weight)
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int)
                               or steps < 1):
         raise ValueError(f"`steps_per_epoch` must be a positive integer. Received: {steps!r}.")

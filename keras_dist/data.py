@@ -132,6 +132,7 @@ def distribute(strategy, x, y=None, sample_weight=None, *, batch_size=None,
                               or steps < 1):
         raise ValueError(f"Steps must be a positive integer. Received: {steps!r}.")
     if is_dataset_fn(x):
+        check_nothing_beside_dataset(y, sample_weight, class_weight, what)
         if steps is None:
             raise ValueError(
                 f"`{what}` is a dataset_fn, whose length keras_dist cannot know "
@@ -141,13 +142,7 @@ def distribute(strategy, x, y=None, sample_weight=None, *, batch_size=None,
         dataset = strategy.distribute_datasets_from_function(x)
         return DistributedInput(dataset, steps, repeats=True)
     if isinstance(x, tf.data.Dataset):
-        for name, value in (("y", y), ("sample_weight", sample_weight),
-                            ("class_weight", class_weight)):
-            if value is not None:
-                raise ValueError(
-                    f"`{name}` must be None when `{what}` is a tf.data.Dataset "
-                    "(the dataset yields it). Received a value for it."
-                )
+        check_nothing_beside_dataset(y, sample_weight, class_weight, what)
         dataset = x
     else:
         if y is not None and num_samples((x,)) != num_samples((y,)):
@@ -169,6 +164,17 @@ def distribute(strategy, x, y=None, sample_weight=None, *, batch_size=None,
     if steps is not None:
         return DistributedInput(distributed, steps, repeats=True)
     return DistributedInput(distributed, known, repeats=False)
+
+
+def check_nothing_beside_dataset(y, sample_weight, class_weight, what="x"):
+    """A dataset (or dataset_fn) yields targets and weights itself."""
+    for name, value in (("y", y), ("sample_weight", sample_weight),
+                        ("class_weight", class_weight)):
+        if value is not None:
+            raise ValueError(
+                f"`{name}` must be None when `{what}` is a tf.data.Dataset or a "
+                "dataset_fn (the dataset yields targets and weights). Received "
+                "a value for it.")
 
 
 def num_samples(arrays):
