@@ -23,6 +23,7 @@ import tensorflow as tf
 
 from keras_dist import data as data_lib
 from keras_dist.cluster import ClusterConfig
+from keras_dist.optimizers.base import staleness_aware_in
 from keras_dist.loop import pythonify, quiet_tf_logger, should_eval
 from keras_dist.staleness import StalenessStats, StepRecord
 
@@ -51,6 +52,7 @@ def fit_async(model, strategy, x=None, y=None, *, batch_size=None, epochs=1,
         strategy, x, y, sample_weight, batch_size, shuffle, class_weight,
         steps_per_epoch)
     model.build_async_state(sample)
+    aware = staleness_aware_in(model.optimizer)
     model._kd_async = True  # train_step does the bookkeeping from now on
     iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
     per_call = max(1, int(model.steps_per_execution or 1))
@@ -72,6 +74,8 @@ def fit_async(model, strategy, x=None, y=None, *, batch_size=None, epochs=1,
     for epoch in range(initial_epoch, epochs):
         model.reset_metrics()
         stats.reset()
+        if aware is not None:
+            aware.reset_staleness_logs()
         callbacks.on_epoch_begin(epoch)
         pending = collections.deque()
         scheduled = 0
@@ -91,6 +95,8 @@ def fit_async(model, strategy, x=None, y=None, *, batch_size=None, epochs=1,
             coordinator.join()
         epoch_logs = {k: pythonify(v) for k, v in model.get_metrics_result().items()}
         epoch_logs.update(stats.logs())
+        if aware is not None:
+            epoch_logs.update(aware.staleness_logs())
         if validation_data is not None and should_eval(epoch, validation_freq):
             vx, vy, vsw = _unpack_validation(validation_data)
             val_logs = model.evaluate(

@@ -5,6 +5,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dist.cluster import ClusterConfig
+from keras_dist.optimizers.base import StalenessAwareOptimizer, staleness_aware_in
 from keras_dist.serve import serve
 from keras_dist.staleness import VersionCounter
 
@@ -191,8 +192,17 @@ class AsyncModel(keras.Model):
     def _async_update(self, data):
         """One asynchronous update; returns `(tau, metric update ops)`."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        aware = staleness_aware_in(self.optimizer)
         read = self._kd_version.read()
-        with tf.control_dependencies([read]):  # weights are read after the version
+        after_read = [read]
+        pulled = None
+        if aware is not None and _needs_pulled(self.optimizer):
+            # The weights this gradient is computed on, for DC-ASGD / Gap-Aware:
+            # read right after the version and before the forward pass's reads.
+            with tf.control_dependencies([read]):
+                pulled = [tf.identity(w.value.read_value()) for w in self.trainable_weights]
+            after_read = pulled
+        with tf.control_dependencies(after_read):  # weights are read after the version
             with tf.GradientTape() as tape:
                 y_pred = self(x, training=True)
                 loss = self.compute_loss(x=x, y=y, y_pred=y_pred,
@@ -203,6 +213,8 @@ class AsyncModel(keras.Model):
             gradients = tape.gradient(scaled, weights)
         with tf.control_dependencies(tf.nest.flatten(gradients)):
             tau = self._kd_version.increment() - 1 - read
+        if aware is not None:
+            aware.set_pending(tau, pulled)  # consumed by its apply, below
         self.optimizer.apply_gradients(zip(gradients, weights))
         updates = []
         for metric in self.metrics:
@@ -240,6 +252,14 @@ class AsyncModel(keras.Model):
         outputs = [predict(keras.utils.unpack_x_y_sample_weight(b)[0]) for b in dataset]
         return tf.nest.map_structure(lambda *parts: np.concatenate(
             [p.numpy() for p in parts]), *outputs)
+
+
+def _needs_pulled(optimizer):
+    while optimizer is not None:
+        if isinstance(optimizer, StalenessAwareOptimizer) and optimizer.needs_pulled_weights:
+            return True
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return False
 
 
 def _add_atomically(metric, *args, **kwargs):

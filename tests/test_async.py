@@ -77,3 +77,26 @@ def test_variable_partitioner_gets_a_clear_error_not_a_trace(tmp_path):
     result = run_sharded(tmp_path, "partitioned")
     assert "table/embeddings" in result["error"]
     assert "Build the strategy without variable_partitioner" in result["error"]
+
+
+def test_every_staleness_aware_wrapper_trains_asynchronously(tmp_path):
+    cmd = [sys.executable, "-m", "keras_dist.launch", "--workers", "2", "--ps", "1",
+           "--", sys.executable, "tests/scripts/ps_wrappers.py", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    with open(tmp_path / "result.json") as f:
+        results = json.load(f)
+    assert sorted(results) == ["DCASGD", "DCASGD-adaptive", "DynSGD", "GapAware",
+                               "StalenessLimit", "StalenessScaled"]
+    for name, result in results.items():
+        assert result["test_accuracy"] >= 0.90, (name, result["test_accuracy"])
+        assert result["version"] == 8 * 45, name  # every update claimed a version
+    logs = {name: r["history"] for name, r in results.items()}
+    # Each wrapper reports what it did; DynSGD's mean scale is 1 / (tau + 1) < 1
+    # exactly when some update was stale.
+    assert all(0 < s <= 1 for s in logs["DynSGD"]["dyn_sgd_scale_mean"])
+    assert all(g >= 1 for g in logs["GapAware"]["gap_aware_scale_mean"])
+    # max_staleness=0 drops every stale update, and only those.
+    limit = logs["StalenessLimit"]
+    for dropped, mean_tau in zip(limit["dropped_updates"], limit["staleness_mean"]):
+        assert (dropped > 0) == (mean_tau > 0)

@@ -1,0 +1,29 @@
+"""Staleness-aware optimizer wrappers for asynchronous training.
+
+Each wraps any Keras optimizer and corrects the gradient of an update for its
+staleness (see docs/staleness-aware-optimizers.md):
+
+- `StalenessScaled` (Zhang et al. 2016): `g / max(tau, 1)`
+- `DynSGD` (Jiang et al. 2017): `g / (tau + 1)`
+- `DCASGD` (Zheng et al. 2017): delay compensation with the pulled weights
+- `GapAware` (Barkai et al. 2020): elementwise penalty by the weight gap
+- `StalenessLimit`: drop updates with `tau > max_staleness`
+
+Example:
+
+>>> import keras, keras_dist as kd
+>>> opt = kd.optimizers.StalenessLimit(
+...     kd.optimizers.DynSGD(keras.optimizers.SGD(0.1)), max_staleness=8)
+>>> type(opt.inner_optimizer).__name__
+'DynSGD'
+"""
+
+from keras_dist.optimizers.base import StalenessAwareOptimizer
+from keras_dist.optimizers.dcasgd import DCASGD
+from keras_dist.optimizers.dynsgd import DynSGD
+from keras_dist.optimizers.gap_aware import GapAware
+from keras_dist.optimizers.staleness_limit import StalenessLimit
+from keras_dist.optimizers.staleness_scaled import StalenessScaled
+
+__all__ = ["DCASGD", "DynSGD", "GapAware", "StalenessAwareOptimizer",
+           "StalenessLimit", "StalenessScaled"]

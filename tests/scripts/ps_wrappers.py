@@ -1,0 +1,55 @@
+"""Asynchronous digits training with each staleness-aware wrapper.
+
+Run on every task by keras-dist-run; the chief writes out_dir/result.json
+with each wrapper's test accuracy and epoch logs. argv: out_dir.
+"""
+
+import json
+import os
+import sys
+
+import tensorflow as tf
+
+import keras_dist as kd
+
+strategy = kd.resolve_strategy()
+if not isinstance(strategy, tf.distribute.ParameterServerStrategy):
+    kd.serve()
+
+import keras  # noqa: E402
+
+from keras_dist.datasets import load_digits  # noqa: E402
+
+O = kd.optimizers
+WRAPPERS = {
+    "DynSGD": lambda: O.DynSGD(keras.optimizers.SGD(0.05, momentum=0.9)),
+    "StalenessScaled": lambda: O.StalenessScaled(keras.optimizers.SGD(0.05, momentum=0.9)),
+    "DCASGD": lambda: O.DCASGD(keras.optimizers.SGD(0.05, momentum=0.9)),
+    "DCASGD-adaptive": lambda: O.DCASGD(keras.optimizers.SGD(0.05, momentum=0.9),
+                                        mode="adaptive"),
+    "GapAware": lambda: O.GapAware(keras.optimizers.SGD(0.05, momentum=0.9)),
+    "StalenessLimit": lambda: O.StalenessLimit(
+        O.DynSGD(keras.optimizers.Adam(3e-3)), max_staleness=0),
+}
+
+
+def main(out_dir):
+    (x, y), (x_test, y_test) = load_digits()
+    results = {}
+    for name, make in WRAPPERS.items():
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            inputs = keras.Input((64,))
+            hidden = keras.layers.Dense(64, activation="relu")(inputs)
+            model = kd.AsyncModel(inputs, keras.layers.Dense(10, activation="softmax")(hidden))
+            model.compile(make(), "sparse_categorical_crossentropy", metrics=["accuracy"])
+        history = model.fit(x, y, epochs=8, steps_per_epoch=45, batch_size=32, verbose=2)
+        accuracy = model.evaluate(x_test, y_test, return_dict=True, verbose=0)["accuracy"]
+        results[name] = {"test_accuracy": accuracy, "history": history.history,
+                         "version": model.version}
+    with open(os.path.join(out_dir, "result.json"), "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,244 @@
+"""Staleness-aware optimizer wrappers, checked against NumPy.
+
+Each rule is re-implemented below in NumPy from its formula (ALGORITHMS.md /
+the papers), independently of the library code, and both are run for several
+steps with chosen staleness, current and pulled weights.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_dist as kd
+from keras_dist.optimizers import DCASGD, DynSGD, GapAware, StalenessLimit, StalenessScaled
+
+LR = 0.1
+SHAPES = [(3, 2), (2,)]
+
+
+def make_state(seed=0):
+    rng = np.random.default_rng(seed)
+    weights = [rng.normal(size=s).astype("float32") for s in SHAPES]
+    steps = []
+    for t in range(5):
+        grads = [rng.normal(size=s).astype("float32") for s in SHAPES]
+        drift = [0.05 * rng.normal(size=s).astype("float32") for s in SHAPES]
+        steps.append((grads, drift, [0, 3, 1, 7, 2][t]))
+    return weights, steps
+
+
+def run_wrapper(optimizer, weights, steps):
+    """Applies the steps through `optimizer`; pulled = current - drift."""
+    variables = [keras.Variable(w) for w in weights]
+    for grads, drift, tau in steps:
+        pulled = [v.numpy() - d for v, d in zip(variables, drift)]
+        optimizer.set_pending(tau, [keras.ops.convert_to_tensor(p) for p in pulled])
+        optimizer.apply([keras.ops.convert_to_tensor(g) for g in grads], variables)
+    return [v.numpy() for v in variables]
+
+
+def numpy_sgd(rule, weights, steps, **state):
+    w = [x.astype("float64").copy() for x in weights]
+    for grads, drift, tau in steps:
+        pulled = [x - d for x, d in zip(w, drift)]
+        new = rule([g.astype("float64") for g in grads], w, pulled, tau, state)
+        if new is None:
+            continue  # dropped
+        w = [x - LR * g for x, g in zip(w, new)]
+    return w
+
+
+def dynsgd(grads, w, pulled, tau, state):
+    return [g / (tau + 1) for g in grads]
+
+
+def staleness_scaled(grads, w, pulled, tau, state):
+    return [g / max(tau, 1) for g in grads]
+
+
+def limit(max_tau):
+    def rule(grads, w, pulled, tau, state):
+        return None if tau > max_tau else grads
+    return rule
+
+
+def dc_constant(lam):
+    def rule(grads, w, pulled, tau, state):
+        return [g + lam * g * g * (wn - wp) for g, wn, wp in zip(grads, w, pulled)]
+    return rule
+
+
+def dc_adaptive(lam0, m, eps):
+    def rule(grads, w, pulled, tau, state):
+        ms = state.setdefault("ms", [np.zeros_like(g) for g in grads])
+        out = []
+        for i, (g, wn, wp) in enumerate(zip(grads, w, pulled)):
+            ms[i] = m * ms[i] + (1 - m) * g * g
+            out.append(g + lam0 / np.sqrt(ms[i] + eps) * g * g * (wn - wp))
+        return out
+    return rule
+
+
+def gap_aware(beta, eps):
+    def rule(grads, w, pulled, tau, state):
+        v = state.setdefault("v", [np.zeros_like(g) for g in grads])
+        state["t"] = state.get("t", 0) + 1
+        eta_max = state["eta_max"] = max(state.get("eta_max", 0.0), LR)
+        out = []
+        for i, (g, wn, wp) in enumerate(zip(grads, w, pulled)):
+            v[i] = beta * v[i] + (1 - beta) * g * g
+            v_hat = v[i] / (1 - beta ** state["t"])
+            penalty = 1 + np.abs(wn - wp) / (eta_max * (np.sqrt(v_hat) + eps))
+            out.append(g / penalty)
+        return out
+    return rule
+
+
+@pytest.mark.parametrize("make, rule", [
+    (lambda: DynSGD(keras.optimizers.SGD(LR)), dynsgd),
+    (lambda: StalenessScaled(keras.optimizers.SGD(LR)), staleness_scaled),
+    (lambda: StalenessLimit(keras.optimizers.SGD(LR), max_staleness=2), limit(2)),
+    (lambda: DCASGD(keras.optimizers.SGD(LR), lambda_=0.5), dc_constant(0.5)),
+    (lambda: DCASGD(keras.optimizers.SGD(LR), mode="adaptive"), dc_adaptive(2.0, 0.95, 1e-7)),
+    (lambda: GapAware(keras.optimizers.SGD(LR), beta=0.9), gap_aware(0.9, 1e-8)),
+], ids=["dynsgd", "staleness_scaled", "limit", "dcasgd_constant", "dcasgd_adaptive",
+        "gap_aware"])
+def test_rule_matches_numpy(make, rule):
+    weights, steps = make_state()
+    got = run_wrapper(make(), weights, steps)
+    expected = numpy_sgd(rule, weights, steps)
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
+    # And the rule did something: plain SGD ends elsewhere (except where no
+    # correction applies by construction).
+    plain = numpy_sgd(lambda grads, *a: grads, weights, steps)
+    assert any(not np.allclose(g, p, atol=1e-6) for g, p in zip(got, plain))
+
+
+def test_limit_counts_dropped_updates():
+    weights, steps = make_state()
+    opt = StalenessLimit(keras.optimizers.SGD(LR), max_staleness=2)
+    run_wrapper(opt, weights, steps)
+    assert opt.staleness_logs()["dropped_updates"] == 2  # taus 3 and 7
+
+
+def test_composition_limit_then_dynsgd_matches_numpy():
+    weights, steps = make_state(1)
+    opt = StalenessLimit(DynSGD(keras.optimizers.SGD(LR)), max_staleness=2)
+    got = run_wrapper(opt, weights, steps)
+
+    def rule(grads, w, pulled, tau, state):
+        return None if tau > 2 else [g / (tau + 1) for g in grads]
+
+    for g, e in zip(got, numpy_sgd(rule, weights, steps)):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
+
+
+INNERS = {
+    "sgd": lambda: keras.optimizers.SGD(0.05),
+    "momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+}
+WRAPPERS = {
+    "dynsgd": DynSGD, "staleness_scaled": StalenessScaled, "dcasgd": DCASGD,
+    "dcasgd_adaptive": lambda inner: DCASGD(inner, mode="adaptive"),
+    "gap_aware": GapAware, "limit": lambda inner: StalenessLimit(inner, max_staleness=0),
+}
+
+
+@pytest.mark.parametrize("inner", sorted(INNERS))
+@pytest.mark.parametrize("wrapper", sorted(WRAPPERS))
+def test_zero_staleness_is_exactly_the_inner_optimizer(wrapper, inner):
+    rng = np.random.default_rng(3)
+    weights = [rng.normal(size=s).astype("float32") for s in SHAPES]
+    wrapped = WRAPPERS[wrapper](INNERS[inner]())
+    bare = INNERS[inner]()
+    a = [keras.Variable(w) for w in weights]
+    b = [keras.Variable(w) for w in weights]
+    for _ in range(4):
+        grads = [keras.ops.convert_to_tensor(rng.normal(size=s).astype("float32"))
+                 for s in SHAPES]
+        wrapped.set_pending(0, [keras.ops.convert_to_tensor(v.numpy()) for v in a])
+        wrapped.apply(grads, a)
+        bare.apply(grads, b)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x.numpy(), y.numpy())
+
+
+@pytest.mark.parametrize("wrapper", sorted(WRAPPERS))
+def test_config_round_trip(wrapper):
+    original = WRAPPERS[wrapper](keras.optimizers.Adam(0.003))
+    config = keras.saving.serialize_keras_object(original)
+    restored = keras.saving.deserialize_keras_object(config)
+    assert type(restored) is type(original)
+    assert restored.get_config() == original.get_config()
+    assert isinstance(restored.inner_optimizer, keras.optimizers.Adam)
+    assert float(restored.learning_rate) == pytest.approx(0.003)
+
+
+def build_digits_model(optimizer):
+    inputs = keras.Input((64,))
+    outputs = keras.layers.Dense(10, activation="softmax")(
+        keras.layers.Dense(32, activation="relu")(inputs))
+    model = kd.AsyncModel(inputs, outputs)
+    model.compile(optimizer, "sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def test_plain_fit_warns_once_and_trains_like_the_inner_optimizer():
+    from keras_dist.datasets import load_digits
+
+    (x, y), _ = load_digits()
+    keras.utils.set_random_seed(0)
+    wrapped = build_digits_model(DynSGD(keras.optimizers.SGD(0.05)))
+    keras.utils.set_random_seed(0)
+    bare = build_digits_model(keras.optimizers.SGD(0.05))
+    with pytest.warns(UserWarning, match="staleness of this update is unknown") as record:
+        h_wrapped = wrapped.fit(x, y, epochs=2, batch_size=64, shuffle=False, verbose=0)
+    assert len([w for w in record if "staleness" in str(w.message)]) == 1
+    h_bare = bare.fit(x, y, epochs=2, batch_size=64, shuffle=False, verbose=0)
+    np.testing.assert_allclose(h_wrapped.history["loss"], h_bare.history["loss"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("wrapper", sorted(WRAPPERS))
+def test_keras_save_load_then_training_continues(tmp_path, wrapper):
+    from keras_dist.datasets import load_digits
+
+    (x, y), _ = load_digits()
+    model = build_digits_model(WRAPPERS[wrapper](keras.optimizers.SGD(0.05)))
+    with pytest.warns(UserWarning):
+        model.fit(x[:256], y[:256], epochs=1, verbose=0)
+    model.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    assert type(loaded.optimizer) is type(model.optimizer)
+    assert loaded.optimizer.get_config() == model.optimizer.get_config()
+    before = loaded.evaluate(x, y, verbose=0)[0]
+    with pytest.warns(UserWarning):
+        loaded.fit(x, y, epochs=2, verbose=0)
+    assert loaded.evaluate(x, y, verbose=0)[0] < before
+
+
+@pytest.mark.parametrize("make, error, message", [
+    (lambda: DynSGD("sgd"), TypeError, "wraps a Keras optimizer.*Received: inner_optimizer='sgd'"),
+    (lambda: DCASGD(keras.optimizers.SGD(), lambda_=-0.1), ValueError,
+     r"`lambda_` must be >= 0. Received: lambda_=-0.1"),
+    (lambda: DCASGD(keras.optimizers.SGD(), mode="fast"), ValueError, "`mode` must be one of"),
+    (lambda: DCASGD(keras.optimizers.SGD(), mode="adaptive", momentum=1.0), ValueError,
+     r"`momentum` must be in the range \[0, 1\)"),
+    (lambda: GapAware(keras.optimizers.SGD(), beta=1.5), ValueError, "`beta` must be in"),
+    (lambda: StalenessLimit(keras.optimizers.SGD(), max_staleness=-1), ValueError,
+     r"`max_staleness` must be an integer >= 0 .*Received: max_staleness=-1"),
+    (lambda: StalenessLimit(keras.optimizers.SGD(), max_staleness=2.5), ValueError,
+     "`max_staleness` must be an integer"),
+    (lambda: DynSGD(StalenessScaled(keras.optimizers.SGD())), ValueError,
+     "DynSGD cannot wrap StalenessScaled.*twice"),
+    (lambda: GapAware(DynSGD(keras.optimizers.SGD())), ValueError, "GapAware cannot wrap DynSGD"),
+    (lambda: StalenessLimit(StalenessLimit(keras.optimizers.SGD(), 2), 3), ValueError,
+     "StalenessLimit cannot wrap StalenessLimit"),
+    (lambda: DCASGD(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())), ValueError,
+     r"wraps a LossScaleOptimizer. Wrap the other way round: LossScaleOptimizer\(DCASGD"),
+], ids=["not_optimizer", "negative_lambda", "mode", "momentum", "beta", "negative_limit",
+        "float_limit", "double_scaling", "gap_in_dynsgd", "double_limit", "dc_inside_lso"])
+def test_bad_input(make, error, message):
+    with pytest.raises(error, match=message):
+        make()
