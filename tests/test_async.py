@@ -100,3 +100,21 @@ def test_every_staleness_aware_wrapper_trains_asynchronously(tmp_path):
     limit = logs["StalenessLimit"]
     for dropped, mean_tau in zip(limit["dropped_updates"], limit["staleness_mean"]):
         assert (dropped > 0) == (mean_tau > 0)
+
+
+def test_wrappers_under_mixed_precision_train_asynchronously(tmp_path):
+    """mixed_float16: Keras' compile puts its LossScaleOptimizer outside the
+    wrapper chain, so the wrappers see unscaled gradients; mixed_bfloat16 has
+    no loss scaling. Both train the digits as well as float32 does."""
+    cmd = [sys.executable, "-m", "keras_dist.launch", "--workers", "2", "--ps", "1",
+           "--", sys.executable, "tests/scripts/ps_wrappers.py", str(tmp_path), "mixed"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    with open(tmp_path / "result.json") as f:
+        results = json.load(f)
+    assert results["float16-DCASGD"]["optimizer_chain"] == [
+        "LossScaleOptimizer", "DCASGD", "SGD"]
+    assert results["bfloat16-GapAware"]["optimizer_chain"] == ["GapAware", "SGD"]
+    for name, result in results.items():
+        assert result["test_accuracy"] >= 0.90, (name, result["test_accuracy"])
+        assert result["version"] == 8 * 45, name

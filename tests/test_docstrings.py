@@ -3,11 +3,14 @@
 Every docstring example is collected with the stdlib `doctest` module and run
 as its own test (named after the object, e.g. `keras_dist.fit.fit`), so a
 wrong example fails and the failure says where. Every public name in
-`keras_dist.__all__` must carry such an example.
+`keras_dist.__all__` must carry such an example; for a submodule listed there
+(`keras_dist.optimizers`), that is its module docstring and every name in the
+submodule's own `__all__`.
 """
 
 import doctest
 import importlib
+import inspect
 import re
 
 import pytest
@@ -24,6 +27,13 @@ MODULES = (
     "keras_dist.fit",
     "keras_dist.launch",
     "keras_dist.loop",
+    "keras_dist.optimizers",
+    "keras_dist.optimizers.base",
+    "keras_dist.optimizers.dcasgd",
+    "keras_dist.optimizers.dynsgd",
+    "keras_dist.optimizers.gap_aware",
+    "keras_dist.optimizers.staleness_limit",
+    "keras_dist.optimizers.staleness_scaled",
     "keras_dist.serve",
     "keras_dist.staleness",
     "keras_dist.strategy",
@@ -45,6 +55,27 @@ def _collect():
 DOCTESTS = _collect()
 
 
+def _public_names():
+    """`keras_dist.__all__`, plus `sub.NAME` for each name a listed submodule exports."""
+    names = []
+    for name in sorted(keras_dist.__all__):
+        names.append(name)
+        obj = getattr(keras_dist, name)
+        if inspect.ismodule(obj):
+            names += [f"{name}.{member}" for member in sorted(getattr(obj, "__all__", ()))]
+    return names
+
+
+PUBLIC_NAMES = _public_names()
+
+
+def _resolve(dotted):
+    obj = keras_dist
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 def run_doctest(test):
     """Runs one `doctest.DocTest`; returns `(failures, report)`."""
     runner = doctest.DocTestRunner(optionflags=OPTIONFLAGS, verbose=False)
@@ -61,7 +92,7 @@ def test_docstring_example(test):
 
 def test_examples_were_found():
     # Guards against a finder change that silently collects nothing.
-    assert len(DOCTESTS) >= len(keras_dist.__all__)
+    assert len(DOCTESTS) >= len(PUBLIC_NAMES)
 
 
 def test_a_wrong_example_fails():
@@ -72,15 +103,17 @@ def test_a_wrong_example_fails():
     assert "Expected:" in report and "Got:" in report
 
 
-@pytest.mark.parametrize("name", sorted(keras_dist.__all__))
+@pytest.mark.parametrize("name", PUBLIC_NAMES)
 def test_public_name_has_runnable_example(name):
-    obj = getattr(keras_dist, name)
+    obj = _resolve(name)
     doc = obj.__doc__ or ""  # not inspect.getdoc: no inherited docstrings
     match = _EXAMPLE_SECTION.search(doc)
     assert match, f"keras_dist.{name} has no `Example:` section in its docstring."
     assert ">>>" in doc[match.end():], (
         f"The `Example:` section of keras_dist.{name} has no `>>>` line.")
-    qualified = f"{obj.__module__}.{obj.__qualname__}"
+    # doctest names a module's own docstring after the module.
+    qualified = obj.__name__ if inspect.ismodule(obj) else (
+        f"{obj.__module__}.{obj.__qualname__}")
     assert qualified in {t.name for t in DOCTESTS}, (
         f"doctest does not collect the example of keras_dist.{name} "
         f"(looked for {qualified}).")

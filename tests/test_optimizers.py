@@ -237,8 +237,11 @@ def test_keras_save_load_then_training_continues(tmp_path, wrapper):
      "StalenessLimit cannot wrap StalenessLimit"),
     (lambda: DCASGD(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())), ValueError,
      r"wraps a LossScaleOptimizer. Wrap the other way round: LossScaleOptimizer\(DCASGD"),
+    (lambda: StalenessLimit(DynSGD(keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD())), 2), ValueError, "DynSGD wraps a LossScaleOptimizer"),
 ], ids=["not_optimizer", "negative_lambda", "mode", "momentum", "beta", "negative_limit",
-        "float_limit", "double_scaling", "gap_in_dynsgd", "double_limit", "dc_inside_lso"])
+        "float_limit", "double_scaling", "gap_in_dynsgd", "double_limit", "dc_inside_lso",
+        "lso_deep_inside"])
 def test_bad_input(make, error, message):
     with pytest.raises(error, match=message):
         make()

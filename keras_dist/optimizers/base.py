@@ -63,14 +63,15 @@ class StalenessAwareOptimizer(keras.optimizers.Optimizer):
                     f"{type(self).__name__} cannot wrap {type(inner).__name__}: both "
                     f"correct for staleness by {self.family}, so nesting them would "
                     "apply the correction twice. Use one of them.")
-        if self.needs_pulled_weights and any(
-                isinstance(o, keras.optimizers.LossScaleOptimizer)
-                for o in _chain(inner_optimizer)):
+        if any(isinstance(o, keras.optimizers.LossScaleOptimizer)
+               for o in _chain(inner_optimizer)):
             raise ValueError(
-                f"{type(self).__name__} must see unscaled gradients (its correction is "
-                "not linear in the gradient), but it wraps a LossScaleOptimizer. Wrap "
-                f"the other way round: LossScaleOptimizer({type(self).__name__}(...)), "
-                "which is what Keras' compile does under a mixed precision policy.")
+                f"{type(self).__name__} wraps a LossScaleOptimizer. Wrap the other way "
+                f"round: LossScaleOptimizer({type(self).__name__}(...)). Under a "
+                "mixed_float16 policy, pass just "
+                f"{type(self).__name__}(...): Keras' compile adds the LossScaleOptimizer "
+                "outside it (inside, the loss would be scaled twice, and DCASGD / "
+                "GapAware would see scaled gradients).")
         super().__init__(learning_rate=0.0, name=name, **kwargs)
         self.inner_optimizer = inner_optimizer
         self._pending = None

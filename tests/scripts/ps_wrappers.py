@@ -1,7 +1,11 @@
 """Asynchronous digits training with each staleness-aware wrapper.
 
 Run on every task by keras-dist-run; the chief writes out_dir/result.json
-with each wrapper's test accuracy and epoch logs. argv: out_dir.
+with each wrapper's test accuracy and epoch logs. argv: out_dir [mixed].
+With "mixed", it trains under mixed precision policies instead: Keras'
+compile puts a LossScaleOptimizer outside the wrapper chain (mixed_float16),
+or no loss scaling at all (mixed_bfloat16). The other order (a
+LossScaleOptimizer inside a wrapper) is a ValueError (tests/test_optimizers.py).
 """
 
 import json
@@ -33,11 +37,25 @@ WRAPPERS = {
 }
 
 
+MIXED = {  # name: (policy, optimizer factory)
+    "float16-DCASGD": ("mixed_float16", lambda: O.DCASGD(
+        keras.optimizers.SGD(0.05, momentum=0.9), mode="adaptive")),
+    "bfloat16-GapAware": ("mixed_bfloat16", lambda: O.GapAware(
+        keras.optimizers.SGD(0.05, momentum=0.9))),
+    "float16-StalenessLimit(DynSGD)": ("mixed_float16", lambda: O.StalenessLimit(
+        O.DynSGD(keras.optimizers.SGD(0.05, momentum=0.9)), max_staleness=4)),
+}
+
+
 def main(out_dir):
     (x, y), (x_test, y_test) = load_digits()
     results = {}
-    for name, make in WRAPPERS.items():
+    runs = {name: ("float32", make) for name, make in WRAPPERS.items()}
+    if sys.argv[2:] == ["mixed"]:
+        runs = MIXED
+    for name, (policy, make) in runs.items():
         keras.utils.set_random_seed(0)
+        keras.config.set_dtype_policy(policy)
         with strategy.scope():
             inputs = keras.Input((64,))
             hidden = keras.layers.Dense(64, activation="relu")(inputs)
@@ -46,9 +64,18 @@ def main(out_dir):
         history = model.fit(x, y, epochs=8, steps_per_epoch=45, batch_size=32, verbose=2)
         accuracy = model.evaluate(x_test, y_test, return_dict=True, verbose=0)["accuracy"]
         results[name] = {"test_accuracy": accuracy, "history": history.history,
-                         "version": model.version}
+                         "version": model.version,
+                         "optimizer_chain": _chain(model.optimizer)}
     with open(os.path.join(out_dir, "result.json"), "w") as f:
         json.dump(results, f)
+
+
+def _chain(optimizer):
+    names = []
+    while optimizer is not None:
+        names.append(type(optimizer).__name__)
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return names
 
 
 if __name__ == "__main__":
