@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) benchmarks/fit_overhead.py
 	$(VENV)/bin/keras-dist-run --workers 2 --ps 1 -- $(PY) benchmarks/ps_throughput.py
+	$(PY) benchmarks/staleness_convergence.py
 
 clean:
 	rm -rf $(VENV) site build *.egg-info

@@ -35,9 +35,9 @@ class StalenessAwareOptimizer(keras.optimizers.Optimizer):
     Example:
 
     >>> import keras, keras_dist as kd
-    >>> opt = kd.optimizers.DynSGD(keras.optimizers.SGD(0.1))
+    >>> opt = kd.optimizers.DynSGD(keras.optimizers.SGD(0.5))
     >>> opt.inner_optimizer.__class__.__name__, float(opt.learning_rate)
-    ('SGD', 0.1)
+    ('SGD', 0.5)
 
     Raises:
         TypeError: if `inner_optimizer` is not a Keras optimizer.
@@ -139,6 +139,8 @@ class StalenessAwareOptimizer(keras.optimizers.Optimizer):
         if not tf.distribute.has_strategy() or context is None:
             tf.cond(keep, lambda: _applied(inner, new_grads, trainable_variables),
                     lambda: _dropped(self))
+            if isinstance(inner, StalenessAwareOptimizer):
+                inner._pending = None  # a dropped update leaves nothing pending
             return None
         # The inner apply synchronizes through merge_call, which may not sit in
         # a cond in replica context; decide in cross-replica context instead
