@@ -2,14 +2,13 @@
 
     python benchmarks/staleness_convergence.py --workers 4,16,64 --seeds 3
 
-Simulates N asynchronous workers in one process with a gradient delay queue:
+Simulates N asynchronous workers in one process with `keras_dist.simulate`:
 each worker computes its gradient on the weights it pulled when it started,
 step times are log-normal (sigma 0.2) around one unit, and updates are
 applied in order of completion, so each update's staleness tau follows the
 distribution of N equally fast workers (mean about N - 1). The model is the
-digits MLP (64-64-10, Keras), gradients come from `Model.stateless_call` on
-the pulled weights, and updates go through the real keras_dist wrappers
-(`set_pending(tau, pulled)` then `apply`), exactly as `AsyncModel` drives them.
+digits MLP (64-64-10, Keras); updates go through the real keras_dist
+wrappers, exactly as `AsyncModel` drives them.
 
 Every method sees the same number of examples (`--epochs` passes of batch 32)
 and the same seeds. Baselines: sequential SGD (tau = 0, what one worker
@@ -45,6 +44,7 @@ def main(argv):
     from rich.table import Table
 
     import keras_dist as kd
+    from keras_dist import simulate
     from keras_dist.datasets import load_digits
 
     (x_train, y_train), (x_test, y_test) = load_digits()
@@ -58,82 +58,47 @@ def main(argv):
         "GapAware": lambda: O.GapAware(keras.optimizers.SGD(_LR.value)),
     }
 
-    def build(seed):
+    def build(seed, optimizer):
         keras.utils.set_random_seed(seed)
         inputs = keras.Input((64,))
         hidden = keras.layers.Dense(64, activation="relu")(inputs)
-        return keras.Model(inputs, keras.layers.Dense(10, activation="softmax")(hidden))
-
-    loss_fn = keras.losses.SparseCategoricalCrossentropy()
-
-    def make_grad_fn(model):
-        @tf.function(reduce_retracing=True)
-        def grad(weights, x, y):
-            with tf.GradientTape() as tape:
-                tape.watch(weights)
-                y_pred, _ = model.stateless_call(weights, [], x, training=True)
-                loss = loss_fn(y, y_pred)
-            return tape.gradient(loss, weights)
-        return grad
-
-    def make_apply_fn(model, optimizer):
-        aware = O.StalenessAwareOptimizer
-
-        @tf.function(reduce_retracing=True)
-        def apply(grads, pulled, tau):
-            if isinstance(optimizer, aware):
-                optimizer.set_pending(tau, pulled)
-            optimizer.apply(grads, model.trainable_variables)
-        return apply
+        model = keras.Model(inputs, keras.layers.Dense(10, activation="softmax")(hidden))
+        model.compile(optimizer, "sparse_categorical_crossentropy")
+        return model
 
     def accuracy(model):
         pred = np.argmax(model.predict(x_test, batch_size=512, verbose=0), axis=1)
         return float((pred == y_test).mean())
 
-    def batches(rng):
-        while True:
-            order = rng.permutation(len(x_train))
-            for i in range(0, len(order) - BATCH + 1, BATCH):
-                idx = order[i:i + BATCH]
-                yield x_train[idx], y_train[idx]
-
-    updates = _EPOCHS.value * (len(x_train) // BATCH)
-
     def run_async(make_optimizer, workers, seed):
-        model = build(seed)
-        optimizer = make_optimizer()
-        optimizer.build(model.trainable_variables)
-        grad, apply = make_grad_fn(model), make_apply_fn(model, optimizer)
-        rng = np.random.default_rng(seed)
-        data = batches(rng)
-        current = lambda: [tf.identity(v.value) for v in model.trainable_variables]  # noqa: E731
-        # Each worker: (finish time, its pulled weights, version it read).
-        finish = rng.lognormal(0.0, 0.2, size=workers)
-        pulled = [current() for _ in range(workers)]
-        read_at = [0] * workers
-        taus = []
-        for version in range(updates):
-            w = int(np.argmin(finish))
-            xb, yb = next(data)
-            grads = grad(pulled[w], xb, yb)
-            tau = version - read_at[w]
-            taus.append(tau)
-            apply(grads, pulled[w], tf.constant(tau, tf.int64))
-            pulled[w], read_at[w] = current(), version + 1
-            finish[w] += rng.lognormal(0.0, 0.2)
-        return accuracy(model), float(np.mean(taus))
+        model = build(seed, make_optimizer())
+        _, sched = simulate.fit(model, x_train, y_train, workers=workers,
+                                epochs=_EPOCHS.value, batch_size=BATCH, seed=seed)
+        return accuracy(model), sched.mean_staleness
 
     def run_sync(workers, seed):
-        model = build(seed)
-        optimizer = keras.optimizers.SGD(_LR.value)
-        optimizer.build(model.trainable_variables)
-        grad, apply = make_grad_fn(model), make_apply_fn(model, optimizer)
-        data = batches(np.random.default_rng(seed))
-        for _ in range(max(1, updates // workers)):
-            weights = [tf.identity(v.value) for v in model.trainable_variables]
-            parts = [grad(weights, *next(data)) for _ in range(workers)]
-            mean = [tf.add_n(list(g)) / workers for g in zip(*parts)]
-            apply(mean, weights, tf.constant(0, tf.int64))
+        """N workers, one update per N batches: their gradients averaged."""
+        model = build(seed, keras.optimizers.SGD(_LR.value))
+        model.optimizer.build(model.trainable_variables)
+        loss_fn = keras.losses.SparseCategoricalCrossentropy()
+
+        @tf.function(reduce_retracing=True)
+        def step(xs, ys):
+            with tf.GradientTape() as tape:
+                losses = [loss_fn(yb, model(xb, training=True)) for xb, yb in zip(xs, ys)]
+                loss = tf.add_n(losses) / len(losses)
+            model.optimizer.apply(tape.gradient(loss, model.trainable_variables),
+                                  model.trainable_variables)
+
+        rng = np.random.default_rng(seed)
+        steps = len(x_train) // BATCH
+        batches = []
+        for _ in range(_EPOCHS.value):
+            order = rng.permutation(len(x_train))
+            batches += [order[i * BATCH:(i + 1) * BATCH] for i in range(steps)]
+        for start in range(0, len(batches) - workers + 1, workers):
+            group = batches[start:start + workers]
+            step([x_train[i] for i in group], [y_train[i] for i in group])
         return accuracy(model)
 
     counts = [int(n) for n in _WORKERS.value]

@@ -1,0 +1,247 @@
+"""Discrete-event simulation of asynchronous workers, in one process.
+
+A real cluster on a 2-core machine shows two workers; users run 8 to 256.
+This module replays what N asynchronous workers do to a model -- the order
+in which their updates land and the staleness of each -- and trains a real
+Keras model exactly that way: every gradient is computed on the weights its
+worker pulled when it started, and applied (through any keras_dist
+staleness-aware wrapper) when that worker finishes.
+
+What it models: the order of updates, each update's staleness, slow
+workers, and workers that stop and come back. What it does not model:
+network bandwidth and latency, parameter-server load, or the time the
+updates themselves take. Deterministic for a given seed.
+"""
+
+import dataclasses
+from typing import Dict
+
+import numpy as np
+import tensorflow as tf
+
+SPEEDS = ("constant", "lognormal")
+
+
+@dataclasses.dataclass
+class Schedule:
+    """The simulated order of updates.
+
+    Attributes:
+        workers: Int array, the worker that produced each update, in order.
+        staleness: Int array, each update's tau (updates applied between its
+            worker's read and its own).
+        times: Float array, the simulated time each update lands.
+    """
+
+    workers: np.ndarray
+    staleness: np.ndarray
+    times: np.ndarray
+
+    @property
+    def mean_staleness(self):
+        return float(self.staleness.mean()) if len(self.staleness) else 0.0
+
+
+def schedule(workers, updates, *, speed="lognormal", sigma=0.2, stragglers=None,
+             outages=None, seed=0):
+    """Simulates which worker lands each update, and its staleness.
+
+    Each worker repeats: read the weights, compute for one step time, apply.
+    Step times are 1 (`speed="constant"`) or log-normal around 1 with
+    `sigma` (`"lognormal"`); a straggler's are multiplied by its factor; a
+    worker in an outage `(start, end)` (simulated time) loses the step in
+    progress and starts afresh at `end` with newly read weights.
+
+    Args:
+        workers: Integer >= 1. Number of workers N.
+        updates: Integer >= 0. Number of updates to simulate.
+        speed: String. `"constant"` or `"lognormal"`. Defaults to
+            `"lognormal"`.
+        sigma: Float >= 0. Log-normal spread. Defaults to `0.2`.
+        stragglers: Dict or `None`. Worker index to slowdown factor (> 0),
+            e.g. `{0: 4.0}`.
+        outages: Dict or `None`. Worker index to `(start, end)` times.
+        seed: Integer. Defaults to `0`.
+
+    Returns:
+        A `Schedule`.
+
+    Example:
+
+    >>> from keras_dist import simulate
+    >>> s = simulate.schedule(4, 100, speed="constant")
+    >>> s.staleness[4:].min(), s.staleness[4:].max()   # equal workers: N - 1
+    (3, 3)
+
+    Raises:
+        ValueError: for bad counts, speeds, factors or outages.
+    """
+    _check_int(workers, "workers", 1)
+    _check_int(updates, "updates", 0)
+    if speed not in SPEEDS:
+        raise ValueError(f"`speed` must be one of {SPEEDS}. Received: speed={speed!r}.")
+    stragglers = dict(stragglers or {})
+    outages = dict(outages or {})
+    for worker, factor in stragglers.items():
+        if not 0 <= worker < workers or not factor > 0:
+            raise ValueError(
+                f"`stragglers` maps a worker index in [0, {workers}) to a slowdown "
+                f"factor > 0. Received: {{{worker!r}: {factor!r}}}.")
+    for worker, (start, end) in outages.items():
+        if not 0 <= worker < workers or not 0 <= start < end:
+            raise ValueError(
+                f"`outages` maps a worker index in [0, {workers}) to (start, end) with "
+                f"0 <= start < end. Received: {{{worker!r}: ({start!r}, {end!r})}}.")
+    rng = np.random.default_rng(seed)
+
+    def duration(worker):
+        base = 1.0 if speed == "constant" else rng.lognormal(0.0, sigma)
+        return base * stragglers.get(worker, 1.0)
+
+    finish = np.array([duration(w) for w in range(workers)])
+    read_at = np.zeros(workers, dtype=np.int64)
+    order = np.empty(updates, dtype=np.int64)
+    taus = np.empty(updates, dtype=np.int64)
+    times = np.empty(updates)
+    pending_reads = {}  # worker -> time it re-reads the weights (after an outage)
+    for version in range(updates):
+        while True:
+            w = int(np.argmin(finish))  # ties: lowest index (round-robin)
+            outage = outages.get(w)
+            if outage and finish[w] > outage[0]:
+                # Down during this step: the step is lost; it reads the weights
+                # afresh when it comes back and starts over.
+                pending_reads[w] = outage[1]
+                finish[w] = outage[1] + duration(w)
+                outages.pop(w)
+                continue
+            break
+        for worker, read_time in list(pending_reads.items()):
+            if read_time < finish[w]:  # every update up to read_time is known now
+                read_at[worker] = _version_at(times[:version], read_time)
+                del pending_reads[worker]
+        order[version], taus[version], times[version] = w, version - read_at[w], finish[w]
+        read_at[w] = version + 1
+        finish[w] += duration(w)
+    return Schedule(order, taus, times)
+
+
+def fit(model, x, y, *, workers, epochs=1, batch_size=32, validation_data=None,
+        seed=0, **schedule_kwargs):
+    """Trains a compiled Keras model as N asynchronous workers would.
+
+    Every update's gradient is computed with `Model.stateless_call` on the
+    weights its worker read (snapshots kept in a ring by version, only while
+    an update still needs them), then applied with `model.optimizer`; a
+    keras_dist staleness-aware wrapper receives the update's tau and those
+    pulled weights, exactly as under `AsyncModel`. Each update uses one
+    batch; an epoch is one pass of batches over `x`.
+
+    Args:
+        model: A compiled, built `keras.Model` without non-trainable state
+            updates in training (e.g. no BatchNormalization).
+        x: Array of inputs.
+        y: Array of targets.
+        workers: Integer. Simulated workers N.
+        epochs: Integer. Passes over the data. Defaults to `1`.
+        batch_size: Integer. Defaults to `32`.
+        validation_data: Tuple `(x_val, y_val)` or `None`; evaluated with
+            `model.evaluate` after each epoch.
+        seed: Integer. Seeds the batch order and the schedule. Defaults to `0`.
+        **schedule_kwargs: `speed`, `sigma`, `stragglers`, `outages` (see
+            `schedule`).
+
+    Returns:
+        `(history, schedule)`: a dict of per-epoch lists (`loss`, and
+        `val_*` with validation data) and the `Schedule` that was replayed.
+
+    Example:
+
+    >>> import numpy as np, keras, keras_dist as kd
+    >>> from keras_dist import simulate
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    >>> model.compile(kd.optimizers.DynSGD(keras.optimizers.SGD(0.05)), "mse")
+    >>> x, y = np.ones((64, 4), "float32"), np.ones((64, 1), "float32")
+    >>> history, sched = simulate.fit(model, x, y, workers=8, epochs=2)
+    >>> len(history["loss"]), len(sched.staleness)
+    (2, 4)
+    """
+    from keras_dist.optimizers.base import staleness_aware_in
+
+    if model.non_trainable_variables:
+        raise ValueError(
+            "simulate.fit replays updates on pulled weights with stateless_call and "
+            "does not carry non-trainable state (e.g. BatchNormalization moving "
+            f"statistics); the model has {len(model.non_trainable_variables)} "
+            "non-trainable variables.")
+    steps_per_epoch = len(x) // batch_size
+    if steps_per_epoch < 1:
+        raise ValueError(f"batch_size={batch_size} is larger than the {len(x)} samples.")
+    sched = schedule(workers, epochs * steps_per_epoch, seed=seed, **schedule_kwargs)
+    optimizer = model.optimizer
+    optimizer.build(model.trainable_variables)
+    aware = staleness_aware_in(optimizer)
+    variables = model.trainable_variables
+
+    @tf.function(reduce_retracing=True)
+    def loss_and_grads(weights, xb, yb):
+        with tf.GradientTape() as tape:
+            tape.watch(weights)
+            y_pred, _ = model.stateless_call(weights, [], xb, training=True)
+            loss = model.compute_loss(x=xb, y=yb, y_pred=y_pred, training=True)
+        return loss, tape.gradient(loss, weights)
+
+    @tf.function(reduce_retracing=True)
+    def apply(grads, pulled, tau):
+        if aware is not None:
+            aware.set_pending(tau, pulled)
+        optimizer.apply(grads, variables)
+
+    def snapshot():
+        return [tf.identity(v.value) for v in variables]
+
+    # A ring of weight snapshots by version, each kept until the last update
+    # computed on it has been applied: memory is bounded by the versions in
+    # use (about N), not by the number of updates.
+    read_version = np.arange(len(sched.staleness)) - sched.staleness
+    last_use = {}
+    for u, v in enumerate(read_version):
+        last_use[int(v)] = u
+    snapshots = {0: snapshot()}
+    rng = np.random.default_rng(seed)
+    history: Dict[str, list] = {"loss": []}
+    update = 0
+    for _ in range(epochs):
+        order = rng.permutation(len(x))
+        losses = []
+        for step in range(steps_per_epoch):
+            version = int(read_version[update])
+            pulled = snapshots[version]
+            idx = order[step * batch_size:(step + 1) * batch_size]
+            loss, grads = loss_and_grads(pulled, x[idx], y[idx])
+            apply(grads, pulled, tf.constant(int(sched.staleness[update]), tf.int64))
+            if last_use[version] == update:
+                del snapshots[version]
+            if update + 1 in last_use:
+                snapshots[update + 1] = snapshot()
+            losses.append(float(loss))
+            update += 1
+        history["loss"].append(float(np.mean(losses)))
+        if validation_data is not None:
+            logs = model.evaluate(*validation_data, return_dict=True, verbose=0)
+            for key, value in logs.items():
+                history.setdefault("val_" + key, []).append(float(value))
+    return history, sched
+
+
+def _version_at(times, t):
+    """How many updates landed by simulated time `t`."""
+    return int(np.searchsorted(times, t, side="right"))
+
+
+def _check_int(value, name, minimum):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"`{name}` must be an integer >= {minimum}. Received: {name}={value!r}.")
+
+
+__all__ = ["Schedule", "fit", "schedule"]

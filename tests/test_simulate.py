@@ -1,0 +1,122 @@
+"""keras_dist.simulate: the schedule against known results, and simulated training."""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_dist as kd
+from keras_dist import simulate
+
+
+@pytest.mark.parametrize("workers", [1, 2, 4, 16, 64, 256])
+def test_equal_constant_workers_have_staleness_n_minus_one(workers):
+    """The dist-keras thesis' sanity check, exactly: after the first round,
+    N equally fast workers take turns and every update is N - 1 stale."""
+    sched = simulate.schedule(workers, 4 * workers + 10, speed="constant")
+    assert list(sched.staleness[:workers]) == list(range(workers))
+    assert set(sched.staleness[workers:]) == {workers - 1}
+    assert list(sched.workers[:2 * workers]) == list(range(workers)) * 2
+
+
+@pytest.mark.parametrize("workers", [4, 16, 64])
+def test_noisy_equal_workers_average_n_minus_one(workers):
+    sched = simulate.schedule(workers, 200 * workers, sigma=0.2, seed=1)
+    assert sched.mean_staleness == pytest.approx(workers - 1, rel=0.03)
+    counts = np.bincount(sched.workers, minlength=workers)
+    assert counts.min() > 0.8 * counts.mean()  # everyone contributes about equally
+
+
+def test_a_straggler_contributes_less_and_its_updates_are_staler():
+    sched = simulate.schedule(4, 4000, stragglers={0: 4.0}, seed=2)
+    counts = np.bincount(sched.workers, minlength=4)
+    assert counts[0] == pytest.approx(counts[1:].mean() / 4, rel=0.15)
+    slow_tau = sched.staleness[sched.workers == 0].mean()
+    fast_tau = sched.staleness[sched.workers != 0].mean()
+    assert slow_tau > 3 * fast_tau
+
+
+def test_a_worker_in_an_outage_contributes_nothing_then_returns():
+    sched = simulate.schedule(4, 400, speed="constant", outages={2: (10.5, 50.0)})
+    during = sched.workers[(sched.times > 11) & (sched.times < 50)]
+    after = sched.workers[sched.times > 51]
+    assert 2 not in during and 2 in after
+    first_back = np.argmax((sched.workers == 2) & (sched.times > 50))
+    # It re-read the weights when it came back, so its first update is at
+    # most N - 1 stale (not the ~120 updates since its last read before).
+    assert sched.staleness[first_back] <= 3
+
+
+def test_schedule_is_deterministic_under_a_seed():
+    a = simulate.schedule(8, 300, seed=5)
+    b = simulate.schedule(8, 300, seed=5)
+    np.testing.assert_array_equal(a.workers, b.workers)
+    assert not np.array_equal(a.workers, simulate.schedule(8, 300, seed=6).workers)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(workers=0, updates=5), "`workers` must be an integer >= 1. Received: workers=0"),
+    (dict(workers=2, updates=5, speed="fast"), "`speed` must be one of"),
+    (dict(workers=2, updates=5, stragglers={3: 2.0}), "`stragglers` maps a worker index"),
+    (dict(workers=2, updates=5, outages={0: (5, 1)}), "`outages` maps a worker index"),
+])
+def test_bad_schedule_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        simulate.schedule(**kwargs)
+
+
+def digits_model(optimizer, seed=0):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((64,))
+    hidden = keras.layers.Dense(32, activation="relu")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(10, activation="softmax")(hidden))
+    model.compile(optimizer, "sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+@pytest.fixture(scope="module")
+def digits():
+    from keras_dist.datasets import load_digits
+
+    return load_digits()
+
+
+def test_one_simulated_worker_is_plain_sgd(digits):
+    (x, y), _ = digits
+    simulated = digits_model(keras.optimizers.SGD(0.1))
+    history, sched = simulate.fit(simulated, x, y, workers=1, epochs=1, seed=3)
+    assert set(sched.staleness) == {0}
+    # The same batches in the same order, applied by Keras itself.
+    plain = digits_model(keras.optimizers.SGD(0.1))
+    order = np.random.default_rng(3).permutation(len(x))
+    for step in range(len(x) // 32):
+        idx = order[step * 32:(step + 1) * 32]
+        plain.train_on_batch(x[idx], y[idx])
+    for a, b in zip(simulated.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_plain_async_degrades_with_workers_and_wrappers_hold_up(digits):
+    """The trend DC-ASGD and Chen et al. report, as a direction over seeds."""
+    (x, y), (x_test, y_test) = digits
+
+    def accuracy(optimizer, workers, seed):
+        model = digits_model(optimizer, seed)
+        simulate.fit(model, x, y, workers=workers, epochs=4, seed=seed)
+        return model.evaluate(x_test, y_test, return_dict=True, verbose=0)["accuracy"]
+
+    seeds = [0, 1]
+    plain = {n: np.mean([accuracy(keras.optimizers.SGD(0.1), n, s) for s in seeds])
+             for n in (2, 32)}
+    gap = np.mean([accuracy(kd.optimizers.GapAware(keras.optimizers.SGD(0.1)), 32, s)
+                   for s in seeds])
+    assert plain[32] < plain[2] - 0.1  # async degrades as workers grow
+    assert gap > plain[32] + 0.1       # the wrapper holds up
+
+
+def test_simulated_fit_rejects_non_trainable_state(digits):
+    (x, y), _ = digits
+    model = keras.Sequential([keras.Input((64,)), keras.layers.BatchNormalization(),
+                              keras.layers.Dense(10, activation="softmax")])
+    model.compile("sgd", "sparse_categorical_crossentropy")
+    with pytest.raises(ValueError, match="non-trainable"):
+        simulate.fit(model, x, y, workers=2)
