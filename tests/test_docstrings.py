@@ -35,6 +35,7 @@ MODULES = (
     "keras_dist.optimizers.staleness_limit",
     "keras_dist.optimizers.staleness_scaled",
     "keras_dist.serve",
+    "keras_dist.simulate",
     "keras_dist.staleness",
     "keras_dist.strategy",
 )

@@ -113,10 +113,38 @@ def test_plain_async_degrades_with_workers_and_wrappers_hold_up(digits):
     assert gap > plain[32] + 0.1       # the wrapper holds up
 
 
-def test_simulated_fit_rejects_non_trainable_state(digits):
-    (x, y), _ = digits
-    model = keras.Sequential([keras.Input((64,)), keras.layers.BatchNormalization(),
+def test_simulated_fit_trains_models_with_dropout_and_batch_norm(digits):
+    (x, y), (x_test, y_test) = digits
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
+                              keras.layers.BatchNormalization(), keras.layers.Dropout(0.1),
                               keras.layers.Dense(10, activation="softmax")])
-    model.compile("sgd", "sparse_categorical_crossentropy")
-    with pytest.raises(ValueError, match="non-trainable"):
-        simulate.fit(model, x, y, workers=2)
+    model.compile(kd.optimizers.DynSGD(keras.optimizers.SGD(0.05)),
+                  "sparse_categorical_crossentropy", metrics=["accuracy"])
+    moving_mean = model.layers[1].moving_mean.numpy().copy()
+    history, _ = simulate.fit(model, x, y, workers=4, epochs=3)
+    assert history["loss"][-1] < history["loss"][0]
+    assert not np.allclose(model.layers[1].moving_mean.numpy(), moving_mean)
+    assert model.evaluate(x_test, y_test, return_dict=True, verbose=0)["accuracy"] > 0.6
+
+
+def test_simulated_fit_under_mixed_float16_matches_float32(digits):
+    """Keras wraps the optimizer in a LossScaleOptimizer under mixed_float16;
+    the simulator scales the loss so that it unscales correctly."""
+    (x, y), (x_test, y_test) = digits
+
+    def accuracy(policy):
+        keras.config.set_dtype_policy(policy)
+        try:
+            model = digits_model(kd.optimizers.GapAware(keras.optimizers.SGD(0.1)))
+            wrapped = isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+            simulate.fit(model, x, y, workers=4, epochs=3)
+            return wrapped, model.evaluate(x_test, y_test, return_dict=True,
+                                           verbose=0)["accuracy"]
+        finally:
+            keras.config.set_dtype_policy("float32")
+
+    wrapped, mixed = accuracy("mixed_float16")
+    _, full = accuracy("float32")
+    assert wrapped
+    assert mixed == pytest.approx(full, abs=0.03)

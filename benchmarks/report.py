@@ -1,0 +1,135 @@
+"""Writes docs/benchmarks.md from the JSON every benchmark left in benchmarks/results/.
+
+    python benchmarks/report.py
+
+Run by `make bench` after the benchmarks. A benchmark whose JSON is missing
+is listed as not run, never filled in. Plots are copied to docs/benchmarks/.
+"""
+
+import datetime
+import json
+import os
+import platform
+import shutil
+
+RESULTS = "benchmarks/results"
+DOCS = "docs"
+
+
+def load(name):
+    path = os.path.join(RESULTS, name + ".json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def machine():
+    import keras
+    import tensorflow as tf
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f
+                       if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            mem_gib = int(f.readline().split()[1]) / 2**20
+    except (OSError, ValueError, IndexError):
+        mem_gib = float("nan")
+    return (f"{os.cpu_count()} CPU cores ({cpu}), {mem_gib:.0f} GiB memory, no GPU; "
+            f"Python {platform.python_version()}, TensorFlow {tf.__version__}, "
+            f"Keras {keras.__version__}")
+
+
+def fit_overhead(lines):
+    data = load("fit_overhead")
+    lines.append("## `keras_dist.fit` overhead on one device (`fit_overhead.py`)\n")
+    if data is None:
+        lines.append("Not run.\n")
+        return
+    med, mins = data["median_seconds"], data["min_seconds"]
+    lines += [
+        f"Digits MLP, {data['config']['epochs']} epochs, batch "
+        f"{data['config']['batch_size']}, {data['config']['repeats']} interleaved repeats.\n",
+        "| | median s | min s |", "|---|---|---|",
+        *(f"| {name} | {med[name]:.3f} | {mins[name]:.3f} |" for name in med),
+        "",
+        f"Ratio kd/plain: **{data['ratio_median']:.3f}** (medians), "
+        f"{data['ratio_min']:.3f} (minima), {data['ratio_paired_median']:.3f} (paired); "
+        f"target <= {data['target']}.\n",
+    ]
+
+
+def ps_throughput(lines):
+    data = load("ps_throughput")
+    lines.append("## Parameter-server throughput (`ps_throughput.py`)\n")
+    if data is None:
+        lines.append("Not run.\n")
+        return
+    summary = data["summary"]
+    names = list(next(iter(summary.values()))["median_updates_per_s"])
+    ratio_names = ["(a)/(b)", "(a)/(c)"][:len(next(iter(summary.values()))["ratios"])]
+    lines += [
+        f"Chief + 2 workers + 1 ps on this machine, {data['steps']} updates per epoch, "
+        f"first of {data['epochs']} epochs dropped; updates per second, median of runs.\n",
+        "| steps_per_execution | " + " | ".join(names) + " | " + " | ".join(ratio_names) + " |",
+        "|---" * (1 + len(names) + len(ratio_names)) + "|",
+    ]
+    for key, row in summary.items():
+        lines.append(f"| {key[3:]} | " + " | ".join(
+            f"{row['median_updates_per_s'][n]:.1f}" for n in names) + " | " + " | ".join(
+            f"{r:.3f}" for r in row["ratios"]) + " |")
+    lines.append("\nTargets: (a)/(b) >= 0.95, (a)/(c) >= 1.0.\n")
+
+
+def staleness_convergence(lines):
+    data = load("staleness_convergence")
+    lines.append("## Accuracy under simulated staleness (`staleness_convergence.py`)\n")
+    if data is None:
+        lines.append("Not run.\n")
+        return
+    acc, taus = data["accuracy"], data["mean_tau"]
+    counts = list(taus)
+    lines += [
+        f"Digits MLP, {data['epochs']} epochs of batch 32, SGD({data['learning_rate']}), "
+        f"seeds {data['seeds']}; test accuracy (%), mean over seeds.\n",
+        "| method | " + " | ".join(f"N={n} (tau {taus[n]:.1f})" for n in counts) + " |",
+        "|---" * (1 + len(counts)) + "|",
+        *(f"| {name} | " + " | ".join(
+            f"{100 * sum(by_n[n]) / len(by_n[n]):.2f}" for n in counts) + " |"
+          for name, by_n in acc.items()),
+        "",
+    ]
+    png = os.path.join(RESULTS, "staleness_convergence.png")
+    if os.path.exists(png):
+        os.makedirs(os.path.join(DOCS, "benchmarks"), exist_ok=True)
+        shutil.copy(png, os.path.join(DOCS, "benchmarks", "staleness_convergence.png"))
+        lines.append("![accuracy against simulated workers](benchmarks/staleness_convergence.png)\n")
+
+
+def main():
+    lines = [
+        "# Benchmarks\n",
+        "Written by `make bench` (`benchmarks/report.py`) on "
+        f"{datetime.date.today().isoformat()}. Machine: {machine()}.\n",
+        "Every ratio compares runs made side by side in one process or one cluster: "
+        "the machine is shared and noisy, so absolute numbers move between runs and "
+        "only the ratios are meant to be read. How each benchmark works: "
+        "`benchmarks/README.md`.\n",
+    ]
+    fit_overhead(lines)
+    ps_throughput(lines)
+    staleness_convergence(lines)
+    lines.append("## Straggler benchmark\n")
+    lines.append("Not written yet (it comes with the straggler detection callbacks).\n")
+    with open(os.path.join(DOCS, "benchmarks.md"), "w") as f:
+        f.write("\n".join(lines))
+    print(f"wrote {os.path.join(DOCS, 'benchmarks.md')}")
+
+
+if __name__ == "__main__":
+    main()
