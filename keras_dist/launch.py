@@ -2,7 +2,9 @@
 
     keras-dist-run --workers 2 --ps 1 -- python examples/train_digits.py --epochs 5
 
-Picks free loopback ports, starts one process per task with its own
+Runs the cluster inside a private network namespace (see
+`keras_dist.isolation`; `--no-isolate` opts out), picks free loopback ports,
+starts one process per task with its own
 `TF_CONFIG` (the same script everywhere; it learns its role from
 `TF_CONFIG`), prefixes every output line with the task (`[worker:1] ...`),
 and returns the exit code of the task that leads (the chief, or worker 0
@@ -20,6 +22,7 @@ import sys
 import threading
 import time
 
+from keras_dist import isolation
 from keras_dist.cluster import ClusterConfig
 
 GRACE_SECONDS = 5.0
@@ -37,6 +40,12 @@ def parse_args(argv):
                              "training with a chief (default 0: synchronous multi-worker)")
     parser.add_argument("--evaluator", action="store_true",
                         help="add an evaluator task")
+    parser.add_argument("--no-isolate", action="store_true",
+                        help="do not run the cluster in a private network namespace: its "
+                             "unauthenticated TensorFlow ports are then reachable from "
+                             "the network (see docs/security.md)")
+    parser.add_argument("--_in-namespace", action="store_true", dest="in_namespace",
+                        help=argparse.SUPPRESS)
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="the command to run on every task, after --")
     args = parser.parse_args(argv)
@@ -150,11 +159,30 @@ def _signal_group(proc, sig):
 
 def main(argv=None):
     """Entry point of `keras-dist-run` (also `python -m keras_dist.launch`)."""
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    if args.in_namespace:
+        isolation.bring_up_loopback()
+    elif not args.no_isolate:
+        command, reason = isolation.unshare_command()
+        if command is not None:
+            # Become the same launcher inside a private network namespace: same
+            # PID, so signals to it still reach the launcher that owns the tasks.
+            sys.stdout.flush()
+            os.execv(command[0], command + [sys.executable, "-m", "keras_dist.launch",
+                                            "--_in-namespace", *argv])
+        print(f"[keras-dist-run] warning: cannot isolate the cluster: {reason}. Its "
+              "TensorFlow ports (no authentication) are reachable from the network; "
+              "run it only on a trusted network, or pass --no-isolate to silence this.",
+              file=sys.stderr, flush=True)
+    else:
+        print("[keras-dist-run] warning: --no-isolate: the cluster's TensorFlow ports "
+              "(no authentication) listen on every interface.", file=sys.stderr, flush=True)
     config = ClusterConfig.local(workers=args.workers, ps=args.ps,
                                  evaluator=args.evaluator)
     cluster = Cluster(config, args.command)
-    cluster._say(f"cluster: {config.describe()}")
+    where = "private network namespace" if args.in_namespace else "host network"
+    cluster._say(f"cluster: {config.describe()}; {where}")
 
     def on_signal(signum, frame):
         raise KeyboardInterrupt
