@@ -76,6 +76,7 @@ def fit_async(model, strategy, x=None, y=None, *, batch_size=None, epochs=1,
         stats.reset()
         if aware is not None:
             aware.reset_staleness_logs()
+        skipped_before = model._kd_version.skipped_value
         callbacks.on_epoch_begin(epoch)
         pending = collections.deque()
         scheduled = 0
@@ -95,6 +96,7 @@ def fit_async(model, strategy, x=None, y=None, *, batch_size=None, epochs=1,
             coordinator.join()
         epoch_logs = {k: pythonify(v) for k, v in model.get_metrics_result().items()}
         epoch_logs.update(stats.logs())
+        epoch_logs["skipped_nonfinite"] = model._kd_version.skipped_value - skipped_before
         if aware is not None:
             epoch_logs.update(aware.staleness_logs())
         if validation_data is not None and should_eval(epoch, validation_freq):
@@ -128,7 +130,7 @@ def _step_function(model, strategy, k):
     # the optimizer too: a new compile() must not reuse a function that
     # captured the old optimizer (Keras' compile resets train_function).
     cache = model.__dict__.setdefault("_kd_step_functions", {})
-    key = (id(strategy), id(model.optimizer), k)
+    key = (id(strategy), id(model.optimizer), model.nonfinite_updates, k)
     if key not in cache:
         @tf.function
         def run_steps(iterator):

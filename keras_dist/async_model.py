@@ -5,7 +5,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dist.cluster import ClusterConfig
-from keras_dist.optimizers.base import StalenessAwareOptimizer, staleness_aware_in
+from keras_dist.optimizers.base import StalenessAwareOptimizer, apply_if, staleness_aware_in
 from keras_dist.serve import serve
 from keras_dist.staleness import VersionCounter
 
@@ -52,6 +52,13 @@ class AsyncModel(keras.Model):
     >>> isinstance(model, keras.Model)
     True
     """
+
+    nonfinite_updates = "skip"
+    """What asynchronous training does with an update whose gradients contain
+    NaN or Inf: `"skip"` it (it is counted as `skipped_nonfinite` in the epoch
+    logs; the parameters are untouched) or `"raise"` (training stops with an
+    error). Under a `LossScaleOptimizer` (mixed_float16), that optimizer
+    skips them itself. Set it on the model: `model.nonfinite_updates = "raise"`."""
 
     @classmethod
     def from_model(cls, model):
@@ -107,6 +114,10 @@ class AsyncModel(keras.Model):
         scheduled functions, so the chief builds them here from one sample
         batch (metrics are reset afterwards).
         """
+        if self.nonfinite_updates not in ("skip", "raise"):
+            raise ValueError(
+                "`nonfinite_updates` must be 'skip' or 'raise'. Received: "
+                f"nonfinite_updates={self.nonfinite_updates!r}.")
         strategy = self.distribute_strategy
         with strategy.scope():
             if getattr(self, "_kd_version", None) is None:
@@ -215,7 +226,20 @@ class AsyncModel(keras.Model):
             tau = self._kd_version.increment() - 1 - read
         if aware is not None:
             aware.set_pending(tau, pulled)  # consumed by its apply, below
-        self.optimizer.apply_gradients(zip(gradients, weights))
+        if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
+            # It skips non-finite updates itself (and lowers its loss scale).
+            self.optimizer.apply_gradients(zip(gradients, weights))
+        else:
+            finite = tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(g))
+                                             for g in gradients if g is not None]))
+            if self.nonfinite_updates == "raise":
+                with tf.control_dependencies([tf.debugging.Assert(finite, [
+                        "keras_dist: an update's gradients are not finite (NaN or Inf); "
+                        "set model.nonfinite_updates = 'skip' to skip such updates"])]):
+                    self.optimizer.apply_gradients(zip(gradients, weights))
+            else:
+                apply_if(finite, self.optimizer, gradients, weights,
+                         self._kd_version.count_skipped)
         updates = []
         for metric in self.metrics:
             if metric.name == "loss":

@@ -118,3 +118,23 @@ def test_wrappers_under_mixed_precision_train_asynchronously(tmp_path):
     for name, result in results.items():
         assert result["test_accuracy"] >= 0.90, (name, result["test_accuracy"])
         assert result["version"] == 8 * 45, name
+
+
+@pytest.mark.parametrize("mode", ["skip", "raise"])
+def test_nonfinite_updates_are_skipped_and_counted_or_raise(tmp_path, mode):
+    """One in 60 training digits is NaN, so some batches give NaN gradients."""
+    cmd = [sys.executable, "-m", "keras_dist.launch", "--workers", "2", "--ps", "1",
+           "--", sys.executable, "tests/scripts/ps_nonfinite.py", str(tmp_path), mode]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    with open(tmp_path / "result.json") as f:
+        result = json.load(f)
+    if mode == "raise":
+        assert "gradients are not finite" in result["error"]
+        assert "nonfinite_updates = " in result["error"]
+        return
+    skipped = result["history"]["skipped_nonfinite"]
+    assert all(s > 0 for s in skipped)          # poisoned batches occur every epoch
+    assert result["finite_weights"]             # none of them reached the parameters
+    assert result["test_accuracy"] >= 0.9       # and training was not disturbed
+    assert result["version"] == 6 * 45          # skipped updates still claim a version

@@ -135,27 +135,9 @@ class StalenessAwareOptimizer(keras.optimizers.Optimizer):
             inner.set_pending(pending[0], pulled)
         if keep is None:
             return inner.apply(new_grads, trainable_variables)
-        context = tf.distribute.get_replica_context()
-        if not tf.distribute.has_strategy() or context is None:
-            tf.cond(keep, lambda: _applied(inner, new_grads, trainable_variables),
-                    lambda: _dropped(self))
-            if isinstance(inner, StalenessAwareOptimizer):
-                inner._pending = None  # a dropped update leaves nothing pending
-            return None
-        # The inner apply synchronizes through merge_call, which may not sit in
-        # a cond in replica context; decide in cross-replica context instead
-        # (the same construction as Keras' LossScaleOptimizer).
-        def decide(distribution, keep, grads, variables):
-            keep = distribution.experimental_local_results(keep)[0]
-
-            def apply_fn():
-                distribution.extended.call_for_each_replica(
-                    _applied, args=(inner, grads, variables))
-                return tf.constant(True)
-
-            return tf.cond(keep, apply_fn, lambda: _dropped(self))
-
-        context.merge_call(decide, args=(keep, new_grads, trainable_variables))
+        apply_if(keep, inner, new_grads, trainable_variables, lambda: _dropped(self))
+        if isinstance(inner, StalenessAwareOptimizer):
+            inner._pending = None  # a dropped update leaves nothing pending
         return None
 
     def transform(self, grads, variables, staleness, pulled):
@@ -241,6 +223,33 @@ def _chain(optimizer):
     while optimizer is not None:
         yield optimizer
         optimizer = getattr(optimizer, "inner_optimizer", None)
+
+
+def apply_if(keep, optimizer, grads, variables, on_skip):
+    """Applies `grads` with `optimizer` when the bool tensor `keep` is true,
+    else runs `on_skip` (which returns a bool tensor).
+
+    An optimizer's apply synchronizes through `merge_call`, which may not sit
+    inside a `cond` in replica context; under a strategy the decision is
+    therefore taken in cross-replica context (the construction Keras'
+    `LossScaleOptimizer` uses).
+    """
+    context = tf.distribute.get_replica_context()
+    if not tf.distribute.has_strategy() or context is None:
+        tf.cond(keep, lambda: _applied(optimizer, grads, variables), on_skip)
+        return
+
+    def decide(distribution, keep, grads, variables):
+        keep = distribution.experimental_local_results(keep)[0]
+
+        def apply_fn():
+            distribution.extended.call_for_each_replica(
+                _applied, args=(optimizer, grads, variables))
+            return tf.constant(True)
+
+        return tf.cond(keep, apply_fn, on_skip)
+
+    context.merge_call(decide, args=(keep, grads, variables))
 
 
 def _applied(inner, grads, variables):

@@ -1,0 +1,51 @@
+"""Asynchronous training on data with NaN rows; run by keras-dist-run.
+
+argv: out_dir mode ("skip" or "raise"). The chief writes out_dir/result.json.
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+import keras_dist as kd
+
+strategy = kd.resolve_strategy()
+if not isinstance(strategy, tf.distribute.ParameterServerStrategy):
+    kd.serve()
+
+import keras  # noqa: E402
+
+from keras_dist.datasets import load_digits  # noqa: E402
+
+
+def main(out_dir, mode):
+    (x, y), (x_test, y_test) = load_digits()
+    x = x.copy()
+    x[::60] = np.nan  # 24 poisoned examples: some batches give NaN gradients
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        inputs = keras.Input((64,))
+        hidden = keras.layers.Dense(64, activation="relu")(inputs)
+        model = kd.AsyncModel(inputs, keras.layers.Dense(10, activation="softmax")(hidden))
+        model.compile(keras.optimizers.SGD(0.05, momentum=0.9),
+                      "sparse_categorical_crossentropy", metrics=["accuracy"])
+    model.nonfinite_updates = mode
+    result = {}
+    try:
+        history = model.fit(x, y, epochs=6, steps_per_epoch=45, batch_size=32, verbose=2)
+        result["history"] = history.history
+        result["finite_weights"] = all(bool(np.isfinite(w).all()) for w in model.get_weights())
+        result["test_accuracy"] = model.evaluate(x_test, y_test, return_dict=True,
+                                                 verbose=0)["accuracy"]
+        result["version"] = model.version
+    except Exception as error:  # the "raise" mode: what the user sees
+        result["error"] = f"{type(error).__name__}: {error}"[:2000]
+    with open(os.path.join(out_dir, "result.json"), "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
