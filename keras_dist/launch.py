@@ -40,6 +40,9 @@ def parse_args(argv):
                              "training with a chief (default 0: synchronous multi-worker)")
     parser.add_argument("--evaluator", action="store_true",
                         help="add an evaluator task")
+    parser.add_argument("--max-restarts", type=int, default=3,
+                        help="with --ps: how many times a worker that dies is restarted "
+                             "(default 3)")
     parser.add_argument("--no-isolate", action="store_true",
                         help="do not run the cluster in a private network namespace: its "
                              "unauthenticated TensorFlow ports are then reachable from "
@@ -54,6 +57,9 @@ def parse_args(argv):
         parser.error(f"--workers must be at least 1. Received: --workers {args.workers}.")
     if args.ps < 0:
         parser.error(f"--ps must be 0 or more. Received: --ps {args.ps}.")
+    if args.max_restarts < 0:
+        parser.error(f"--max-restarts must be 0 or more. Received: --max-restarts "
+                     f"{args.max_restarts}.")
     if not command:
         parser.error("no command given. Put it after --, e.g. "
                      "keras-dist-run --workers 2 -- python train.py")
@@ -69,11 +75,14 @@ def parse_args(argv):
 class Cluster:
     """The running task processes of one launch."""
 
-    def __init__(self, config, command, env=None, out=None):
+    def __init__(self, config, command, env=None, out=None, max_restarts=3):
         self.config, self.command = config, command
         self.env = dict(os.environ if env is None else env)
         self.out = out or sys.stdout
         self.procs = {}
+        self.all_procs = []  # every process ever started, restarted ones included
+        self.restarts = {}
+        self.max_restarts = max_restarts
         self._lock = threading.Lock()
         self._threads = []
 
@@ -88,19 +97,24 @@ class Cluster:
 
     def start(self):
         for role, index in self.tasks():
-            env = dict(self.env)
-            env["TF_CONFIG"] = self.config.for_task(role, index).to_tf_config()
-            env["PYTHONUNBUFFERED"] = "1"
-            env.setdefault("GRPC_FAIL_FAST", "use_caller")
-            env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # servers dump their config at INFO
-            proc = subprocess.Popen(
-                self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True)
-            self.procs[(role, index)] = proc
-            thread = threading.Thread(target=self._pump, args=(f"{role}:{index}", proc),
-                                      daemon=True)
-            thread.start()
-            self._threads.append(thread)
+            self._start_task(role, index)
+
+    def _start_task(self, role, index):
+        env = dict(self.env)
+        env["TF_CONFIG"] = self.config.for_task(role, index).to_tf_config()
+        env["PYTHONUNBUFFERED"] = "1"
+        env.setdefault("GRPC_FAIL_FAST", "use_caller")
+        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # servers dump their config at INFO
+        proc = subprocess.Popen(
+            self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True)
+        self.procs[(role, index)] = proc
+        self.all_procs.append(proc)
+        thread = threading.Thread(target=self._pump, args=(f"{role}:{index}", proc),
+                                  daemon=True)
+        thread.start()
+        self._threads.append(thread)
+        self._say(f"started {role}:{index} (pid {proc.pid})")
 
     def _pump(self, name, proc):
         for raw in iter(proc.stdout.readline, b""):
@@ -111,22 +125,44 @@ class Cluster:
         proc.stdout.close()
 
     def wait(self):
-        """Waits for the leader (and, without ps, every worker); returns its code."""
+        """Waits for the leader (and, without ps, every worker); returns its code.
+
+        With ps tasks (asynchronous training) a worker that dies is restarted,
+        up to `max_restarts` times per worker: TensorFlow's coordinator runs
+        its lost steps elsewhere and uses it again once it is back. Any other
+        failure stops the cluster.
+        """
         training = [t for t in self.procs if t[0] in ("chief", "worker")]
         must_finish = [self.leader] if self.config.num_ps else training
         while True:
-            for task in training:
+            for task in list(self.procs):
                 code = self.procs[task].poll()
-                if code not in (None, 0):
-                    self._say(f"{task[0]}:{task[1]} exited with code {code}; stopping the cluster")
+                if code is None or task not in training and task[0] != "ps":
+                    continue
+                if task == self.leader and self.config.num_ps:
                     return code
+                if self.config.num_ps and task[0] == "worker":
+                    used = self.restarts.get(task, 0)
+                    if used < self.max_restarts:
+                        self.restarts[task] = used + 1
+                        self._say(f"{task[0]}:{task[1]} exited with code {code}; restarting "
+                                  f"it ({used + 1}/{self.max_restarts})")
+                        self._start_task(*task)
+                        continue
+                    self._say(f"{task[0]}:{task[1]} exited with code {code} and has used "
+                              f"its {self.max_restarts} restarts; stopping the cluster")
+                    return code or 1
+                if self.config.num_ps or code != 0:
+                    self._say(f"{task[0]}:{task[1]} exited with code {code}; stopping the "
+                              "cluster")
+                    return code or 1
             if all(self.procs[t].poll() is not None for t in must_finish):
                 return self.procs[self.leader].returncode
             time.sleep(0.1)
 
     def stop(self):
         """Stops every task: SIGTERM to each process group, SIGKILL after a grace period."""
-        alive = [p for p in self.procs.values() if p.poll() is None]
+        alive = [p for p in self.all_procs if p.poll() is None]
         for proc in alive:
             _signal_group(proc, signal.SIGTERM)
         deadline = time.monotonic() + GRACE_SECONDS
@@ -135,7 +171,7 @@ class Cluster:
                 proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-        for proc in self.procs.values():
+        for proc in self.all_procs:
             _signal_group(proc, signal.SIGKILL)  # also reaps what a task started
             try:
                 proc.wait(5)
@@ -180,7 +216,7 @@ def main(argv=None):
               "(no authentication) listen on every interface.", file=sys.stderr, flush=True)
     config = ClusterConfig.local(workers=args.workers, ps=args.ps,
                                  evaluator=args.evaluator)
-    cluster = Cluster(config, args.command)
+    cluster = Cluster(config, args.command, max_restarts=args.max_restarts)
     where = "private network namespace" if args.in_namespace else "host network"
     cluster._say(f"cluster: {config.describe()}; {where}")
 

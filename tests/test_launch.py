@@ -39,6 +39,7 @@ def pids_with_marker(marker):
     (["--workers", "0", "--", "python", "x.py"], "--workers must be at least 1. Received: --workers 0"),
     (["--ps", "-1", "--", "python", "x.py"], "--ps must be 0 or more"),
     (["--workers", "2"], "no command given. Put it after --"),
+    (["--max-restarts", "-1", "--", "python", "x.py"], "--max-restarts must be 0 or more"),
     (["--", sys.executable, "does/not/exist.py"], "script 'does/not/exist.py' does not exist"),
     (["--", "no-such-program-kd"], "command 'no-such-program-kd' not found"),
 ])

@@ -1,0 +1,47 @@
+"""Longer asynchronous digits training, for worker-failure tests.
+
+argv: out_dir [epochs]. The chief writes out_dir/result.json (version, scheduled,
+test accuracy, per-epoch logs).
+"""
+
+import json
+import os
+import sys
+
+import tensorflow as tf
+
+import keras_dist as kd
+
+strategy = kd.resolve_strategy()
+if not isinstance(strategy, tf.distribute.ParameterServerStrategy):
+    kd.serve()
+
+import keras  # noqa: E402
+
+from keras_dist.datasets import load_digits  # noqa: E402
+
+EPOCHS = int(sys.argv[2]) if len(sys.argv) > 2 else 12
+STEPS = 45
+
+
+def main(out_dir):
+    (x, y), (x_test, y_test) = load_digits()
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        inputs = keras.Input((64,))
+        hidden = keras.layers.Dense(64, activation="relu")(inputs)
+        model = kd.AsyncModel(inputs, keras.layers.Dense(10, activation="softmax")(hidden))
+        model.compile(keras.optimizers.SGD(0.05, momentum=0.9),
+                      "sparse_categorical_crossentropy", metrics=["accuracy"])
+    history = model.fit(x, y, epochs=EPOCHS, steps_per_epoch=STEPS, batch_size=32, verbose=2)
+    accuracy = model.evaluate(x_test, y_test, return_dict=True, verbose=0)["accuracy"]
+    with open(os.path.join(out_dir, "result.json"), "w") as f:
+        json.dump({"version": model.version, "scheduled": EPOCHS * STEPS,
+                   "test_accuracy": accuracy, "history": history.history,
+                   "updates_per_worker": {str(k): v for k, v in
+                                          model.staleness_stats.updates_per_worker().items()}},
+                  f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
