@@ -16,9 +16,11 @@ from procs import REPO
 pytestmark = pytest.mark.multiprocess
 
 
-def run_cluster(tmp_path, *script_args, timeout=240):
-    cmd = [sys.executable, "-m", "keras_dist.launch", "--workers", "2", "--ps", "1",
-           "--", sys.executable, "tests/scripts/ps_train.py", str(tmp_path), *script_args]
+def run_script(tmp_path, script, *args, ps=1, timeout=300):
+    """Runs tests/scripts/<script> on a local cluster (2 workers, `ps` ps);
+    returns the chief's result.json and the launcher's output."""
+    cmd = [sys.executable, "-m", "keras_dist.launch", "--workers", "2", "--ps", str(ps),
+           "--", sys.executable, f"tests/scripts/{script}", str(tmp_path), *args]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     with open(tmp_path / "result.json") as f:
@@ -27,7 +29,7 @@ def run_cluster(tmp_path, *script_args, timeout=240):
 
 @pytest.mark.parametrize("steps_per_execution", ["1", "5"])
 def test_async_digits_training(tmp_path, steps_per_execution):
-    result, output = run_cluster(tmp_path, steps_per_execution)
+    result, output = run_script(tmp_path, "ps_train.py", steps_per_execution)
     # Learns: the digits MLP reaches >= 0.90 test accuracy.
     assert result["test_accuracy"] >= 0.90, result
     # Exactly as many updates as steps scheduled: none lost, none doubled.
@@ -55,12 +57,7 @@ def test_async_digits_training(tmp_path, steps_per_execution):
 
 
 def run_sharded(tmp_path, mode):
-    cmd = [sys.executable, "-m", "keras_dist.launch", "--workers", "2", "--ps", "2",
-           "--", sys.executable, "tests/scripts/ps_sharded.py", str(tmp_path), mode]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    with open(tmp_path / "result.json") as f:
-        return json.load(f)
+    return run_script(tmp_path, "ps_sharded.py", mode, ps=2)[0]
 
 
 def test_two_parameter_servers_hold_and_train_a_large_embedding(tmp_path):
@@ -80,12 +77,7 @@ def test_variable_partitioner_gets_a_clear_error_not_a_trace(tmp_path):
 
 
 def test_every_staleness_aware_wrapper_trains_asynchronously(tmp_path):
-    cmd = [sys.executable, "-m", "keras_dist.launch", "--workers", "2", "--ps", "1",
-           "--", sys.executable, "tests/scripts/ps_wrappers.py", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    with open(tmp_path / "result.json") as f:
-        results = json.load(f)
+    results, _ = run_script(tmp_path, "ps_wrappers.py")
     assert sorted(results) == ["DCASGD", "DCASGD-adaptive", "DynSGD", "GapAware",
                                "StalenessLimit", "StalenessScaled"]
     for name, result in results.items():
@@ -106,12 +98,7 @@ def test_wrappers_under_mixed_precision_train_asynchronously(tmp_path):
     """mixed_float16: Keras' compile puts its LossScaleOptimizer outside the
     wrapper chain, so the wrappers see unscaled gradients; mixed_bfloat16 has
     no loss scaling. Both train the digits as well as float32 does."""
-    cmd = [sys.executable, "-m", "keras_dist.launch", "--workers", "2", "--ps", "1",
-           "--", sys.executable, "tests/scripts/ps_wrappers.py", str(tmp_path), "mixed"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    with open(tmp_path / "result.json") as f:
-        results = json.load(f)
+    results, _ = run_script(tmp_path, "ps_wrappers.py", "mixed")
     assert results["float16-DCASGD"]["optimizer_chain"] == [
         "LossScaleOptimizer", "DCASGD", "SGD"]
     assert results["bfloat16-GapAware"]["optimizer_chain"] == ["GapAware", "SGD"]
@@ -123,12 +110,7 @@ def test_wrappers_under_mixed_precision_train_asynchronously(tmp_path):
 @pytest.mark.parametrize("mode", ["skip", "raise"])
 def test_nonfinite_updates_are_skipped_and_counted_or_raise(tmp_path, mode):
     """One in 60 training digits is NaN, so some batches give NaN gradients."""
-    cmd = [sys.executable, "-m", "keras_dist.launch", "--workers", "2", "--ps", "1",
-           "--", sys.executable, "tests/scripts/ps_nonfinite.py", str(tmp_path), mode]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    with open(tmp_path / "result.json") as f:
-        result = json.load(f)
+    result, _ = run_script(tmp_path, "ps_nonfinite.py", mode)
     if mode == "raise":
         assert "gradients are not finite" in result["error"]
         assert "nonfinite_updates = " in result["error"]
