@@ -133,3 +133,20 @@ def test_catalogue_has_at_least_twenty_distinct_messages():
     messages = [m for _, _, m in CASES.values()] + [m for _, m in LAUNCHER.values()]
     assert len(messages) >= 20 and len(set(messages)) == len(messages)
     json.dumps(messages)  # plain data, printable in a report
+
+
+@pytest.mark.timeout(180)
+def test_mismatched_input_shapes_across_workers_fail_fast_without_a_hang():
+    """Worker 1 feeds 32 features to a 64-feature model while worker 0 waits
+    in the gradient all-reduce: the launcher sees worker 1 fail, stops worker
+    0 instead of letting it wait forever, and reports the shape error."""
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "keras_dist.launch", "--workers", "2", "--",
+         sys.executable, "tests/scripts/mwms_mismatch.py"],
+        cwd=REPO, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    assert "expected axis -1 of input shape to have value 64" in proc.stdout
+    assert "[keras-dist-run] worker:1 exited with code 1; stopping the cluster" in proc.stdout
+    assert "finished" not in proc.stdout
+    assert time.monotonic() - start < 150
