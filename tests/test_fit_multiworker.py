@@ -7,7 +7,6 @@ identical weights.
 """
 
 import json
-import os
 
 import numpy as np
 import pytest
