@@ -32,7 +32,7 @@ from keras_dist.cluster import ClusterConfig  # noqa: E402
 from keras_dist.async_model import AsyncModel  # noqa: E402
 from keras_dist.fit import evaluate, fit  # noqa: E402
 from keras_dist.serve import serve  # noqa: E402
-from keras_dist import optimizers  # noqa: E402
+from keras_dist import callbacks, optimizers, testing  # noqa: E402
 from keras_dist.strategy import (  # noqa: E402
     StrategyChoice,
     StrategyKind,
@@ -49,12 +49,14 @@ __all__ = [
     "StrategyChoice",
     "StrategyKind",
     "build_strategy",
+    "callbacks",
     "choose_strategy",
     "evaluate",
     "fit",
     "optimizers",
     "resolve_strategy",
     "serve",
+    "testing",
 ]
 
 _logger = logging.getLogger("keras_dist")

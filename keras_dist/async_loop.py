@@ -22,6 +22,8 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dist import data as data_lib
+from keras_dist import testing
+from keras_dist.callbacks import base as replica_cbs
 from keras_dist.cluster import ClusterConfig
 from keras_dist.optimizers.base import staleness_aware_in
 from keras_dist.loop import pythonify, quiet_tf_logger, should_eval
@@ -62,6 +64,7 @@ def fit_async(model, strategy, x=None, y=None, *, batch_size=None, epochs=1,
         callbacks = keras.callbacks.CallbackList(
             callbacks, add_history=True, add_progbar=verbose != 0,
             verbose=verbose, epochs=epochs, steps=steps, model=model)
+    watchers = replica_cbs.replica_callbacks(callbacks)
     stats = StalenessStats()
     model.staleness_stats = stats
     # Closures in flight: enough to keep every worker busy while the chief
@@ -88,7 +91,8 @@ def fit_async(model, strategy, x=None, y=None, *, batch_size=None, epochs=1,
                 pending.append((scheduled + k - 1, coordinator.schedule(fn, args=(iterator,))))
                 scheduled += k
             end, remote = pending.popleft()
-            logs = _record(remote.fetch(), stats, model.async_log_names)
+            logs, step = _record(remote.fetch(), stats, model.async_log_names)
+            replica_cbs.feed(watchers, end, [step])
             callbacks.on_train_batch_end(end, logs)
             if model.stop_training:
                 break
@@ -99,6 +103,7 @@ def fit_async(model, strategy, x=None, y=None, *, batch_size=None, epochs=1,
         epoch_logs["skipped_nonfinite"] = model._kd_version.skipped_value - skipped_before
         if aware is not None:
             epoch_logs.update(aware.staleness_logs())
+        replica_cbs.add_replica_logs(watchers, epoch_logs)
         if validation_data is not None and should_eval(epoch, validation_freq):
             vx, vy, vsw = _unpack_validation(validation_data)
             val_logs = model.evaluate(
@@ -130,7 +135,8 @@ def _step_function(model, strategy, k):
     # the optimizer too: a new compile() must not reuse a function that
     # captured the old optimizer (Keras' compile resets train_function).
     cache = model.__dict__.setdefault("_kd_step_functions", {})
-    key = (id(strategy), id(model.optimizer), model.nonfinite_updates, k)
+    key = (id(strategy), id(model.optimizer), model.nonfinite_updates, k,
+           tuple(sorted(testing.slow_workers_from_env().items())))
     if key not in cache:
         @tf.function
         def run_steps(iterator):
@@ -142,12 +148,18 @@ def _step_function(model, strategy, k):
 
 
 def _record(result, stats, names):
-    """Unpacks one closure's vector (see `AsyncModel.async_train_steps`)."""
+    """Unpacks one closure's vector (see `AsyncModel.async_train_steps`):
+    returns its batch logs and its `ReplicaStep`."""
     values = result.numpy() if hasattr(result, "numpy") else np.asarray(result)
     n = len(names)
-    stats.add(StepRecord(worker=int(values[n]), staleness=[int(t) for t in values[n + 2:]],
-                         seconds=float(values[n + 1])))
-    return {name: float(v) for name, v in zip(names, values[:n])}
+    worker, seconds, examples, loss_sum = values[n:n + 4]
+    taus = [int(t) for t in values[n + 4:]]
+    stats.add(StepRecord(worker=int(worker), staleness=taus, seconds=float(seconds)))
+    step = replica_cbs.ReplicaStep(
+        replica=f"worker{int(worker)}", steps=len(taus), seconds=float(seconds),
+        examples=int(examples), loss=float(loss_sum / examples) if examples else math.nan,
+        staleness=tuple(taus))
+    return {name: float(v) for name, v in zip(names, values[:n])}, step
 
 
 def _per_worker_input(strategy, x, y, sample_weight, batch_size, shuffle,

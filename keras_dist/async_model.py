@@ -4,6 +4,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_dist import testing
 from keras_dist.cluster import ClusterConfig
 from keras_dist.optimizers.base import StalenessAwareOptimizer, apply_if, staleness_aware_in
 from keras_dist.serve import serve
@@ -151,26 +152,33 @@ class AsyncModel(keras.Model):
 
         Returns one float64 vector (a single tensor is a single copy back to
         the chief): the metric results after the last step, in the order of
-        `async_log_names`, then `worker`, `step_seconds` and one tau per step.
+        `async_log_names`, then `worker`, `step_seconds`, `examples`, the
+        sum of the steps' losses weighted by their examples, and one tau per
+        step.
         """
-        taus = []
+        worker = tf.distribute.coordinator.experimental_get_current_worker_index()
+        slowed = testing.slow_workers_from_env()
+        taus, losses, examples = [], [], []
         start = None
         for _ in range(steps):
             data = next(iterator)
             if start is None:
-                with tf.control_dependencies(tf.nest.flatten(data)):
+                with tf.control_dependencies([t for t in tf.nest.flatten(data)
+                                              if t is not None]):
                     start = tf.timestamp()
             with tf.control_dependencies([start] + taus):
-                tau, updates = self._async_update(data)
+                tau, updates, loss, batch = self._async_update(data, worker, slowed)
             taus.append(tau)
+            losses.append(tf.cast(loss, tf.float64) * tf.cast(batch, tf.float64))
+            examples.append(tf.cast(batch, tf.float64))
         with tf.control_dependencies(updates + taus):
             logs = self.get_metrics_result()
             seconds = tf.timestamp() - start
         self.async_log_names = sorted(logs)
-        worker = tf.distribute.coordinator.experimental_get_current_worker_index()
         return tf.concat([
             tf.stack([tf.cast(logs[name], tf.float64) for name in self.async_log_names]
-                     + [tf.cast(worker, tf.float64), seconds]),
+                     + [tf.cast(worker, tf.float64), seconds, tf.add_n(examples),
+                        tf.add_n(losses)]),
             tf.cast(tf.stack(taus), tf.float64)], axis=0)
 
     def train_step(self, data):
@@ -194,17 +202,22 @@ class AsyncModel(keras.Model):
         """
         if not getattr(self, "_kd_async", False):
             return super().train_step(data)
-        tau, updates = self._async_update(data)
+        tau, updates, _, _ = self._async_update(data)
         with tf.control_dependencies(updates):
             logs = dict(self.get_metrics_result())
         logs["staleness"] = tau
         return logs
 
-    def _async_update(self, data):
-        """One asynchronous update; returns `(tau, metric update ops)`."""
+    def _async_update(self, data, worker=None, slowed=None):
+        """One asynchronous update; returns `(tau, metric update ops, loss,
+        examples)`. `worker` and `slowed` (`{index: factor}`, from
+        `keras_dist.testing`) inject a slowdown before the update."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         aware = staleness_aware_in(self.optimizer)
         read = self._kd_version.read()
+        if slowed:
+            with tf.control_dependencies([read]):
+                step_start = tf.timestamp()
         after_read = [read]
         pulled = None
         if aware is not None and _needs_pulled(self.optimizer):
@@ -222,7 +235,16 @@ class AsyncModel(keras.Model):
             batch = tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
             weights = self.trainable_weights
             gradients = tape.gradient(scaled, weights)
-        with tf.control_dependencies(tf.nest.flatten(gradients)):
+        grads_ready = [t for t in tf.nest.flatten(gradients, expand_composites=True)
+                       if t is not None]
+        if slowed:
+            with tf.control_dependencies(grads_ready):
+                ready = tf.timestamp()
+            grads_ready = testing.slow_down(worker, ready - step_start, ready, slowed)
+            with tf.control_dependencies(grads_ready):
+                gradients = [None if g is None else tf.nest.map_structure(
+                    tf.identity, g, expand_composites=True) for g in gradients]
+        with tf.control_dependencies(grads_ready):
             tau = self._kd_version.increment() - 1 - read
         if aware is not None:
             aware.set_pending(tau, pulled)  # consumed by its apply, below
@@ -246,7 +268,7 @@ class AsyncModel(keras.Model):
                 updates += _add_atomically(metric, loss, sample_weight=batch)
             elif metric.name == "compile_metrics":
                 updates += _add_atomically(metric, y, y_pred, sample_weight=sample_weight)
-        return tau, updates
+        return tau, updates, loss, batch
 
     # --------------------------------------------------------------- inference
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto",

@@ -28,6 +28,8 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dist import data as data_lib
+from keras_dist import testing
+from keras_dist.callbacks import base as replica_cbs
 
 
 def fit_loop(model, strategy, x=None, y=None, *, batch_size=None, epochs=1,
@@ -64,7 +66,9 @@ def fit_loop(model, strategy, x=None, y=None, *, batch_size=None, epochs=1,
         callbacks = keras.callbacks.CallbackList(
             callbacks, add_history=True, add_progbar=verbose != 0,
             verbose=verbose, epochs=epochs, steps=train.steps, model=model)
-    step_fns = _StepFunctions(model, strategy, model.train_step)
+    watchers = replica_cbs.replica_callbacks(callbacks)
+    step_fns = _StepFunctions(model, strategy, model.train_step,
+                              instrument=bool(watchers) or bool(testing.slow_workers_from_env()))
     eval_fns = _StepFunctions(model, strategy, model.test_step)
 
     model.stop_training = False
@@ -77,11 +81,14 @@ def fit_loop(model, strategy, x=None, y=None, *, batch_size=None, epochs=1,
         if not train.repeats:
             iterator = iter(train.dataset)
         ran_out = False
+        step_fns.new_epoch()
         for begin, end, step_logs in step_fns.steps(iterator, train.steps):
             if step_logs is None:
                 callbacks.on_train_batch_begin(begin)
                 continue
             logs = step_logs
+            if step_fns.replica_steps is not None:
+                replica_cbs.feed(watchers, end, step_fns.replica_steps)
             callbacks.on_train_batch_end(end, logs)
             if model.stop_training:
                 break
@@ -95,6 +102,7 @@ def fit_loop(model, strategy, x=None, y=None, *, batch_size=None, epochs=1,
                 stacklevel=2)
             model.stop_training = True
         epoch_logs = dict(_metrics_or_logs(model, logs))
+        replica_cbs.add_replica_logs(watchers, epoch_logs)
         if val is not None and should_eval(epoch, validation_freq):
             val_logs = _evaluate(model, eval_fns, val, callbacks)
             epoch_logs.update({"val_" + k: v for k, v in val_logs.items()})
@@ -141,23 +149,50 @@ def _evaluate(model, eval_fns, val, callbacks):
 
 
 class _StepFunctions:
-    """Compiled `steps_per_execution`-step functions over a distributed iterator."""
+    """Compiled `steps_per_execution`-step functions over a distributed iterator.
 
-    def __init__(self, model, strategy, step):
+    With `instrument=True` each step also measures, on every replica, the
+    time from its batch to its gradients -- before the optimizer's update,
+    and so before the gradient all-reduce -- plus its examples and loss;
+    after each execution `replica_steps` holds them as `ReplicaStep`s
+    (gathered from every worker). Slowdowns from
+    `keras_dist.testing` (`KERAS_DIST_SLOW_WORKER`) are injected there too.
+    """
+
+    def __init__(self, model, strategy, step, instrument=False):
         self._model, self._strategy, self._step = model, strategy, step
         self._functions, self._eager = {}, {}
         self._warm = False
+        self._instrument = instrument
+        self._slowed = testing.slow_workers_from_env() if instrument else {}
+        self._loss_so_far = {}
+        self.replica_steps = None
         self.ran_out = False
+
+    def new_epoch(self):
+        """Metrics were reset: per-replica loss sums restart from zero."""
+        self._loss_so_far = {}
 
     def _function(self, k):
         if k not in self._functions:
-            strategy, step = self._strategy, self._step
+            strategy = self._strategy
+            step = self._instrumented_step if self._instrument else self._step
 
             def run(iterator):
+                records = []
                 for _ in range(k):  # unrolled: k is small and fixed per function
                     outputs = strategy.run(step, args=(next(iterator),))
-                return tf.nest.map_structure(
+                    if self._instrument:
+                        outputs, record = outputs
+                        records.append(record)
+                logs = tf.nest.map_structure(
                     lambda v: strategy.reduce("MEAN", v, axis=None), outputs)
+                if not records:
+                    return logs
+                # One row per replica of every worker: [k steps x fields].
+                per_replica = strategy.run(lambda *r: tf.expand_dims(tf.stack(r), 0),
+                                           args=tuple(records))
+                return logs, strategy.gather(per_replica, axis=0)
 
             self._functions[k] = (
                 run if self._model.run_eagerly
@@ -165,10 +200,78 @@ class _StepFunctions:
             self._eager[k] = run
         return self._functions[k]
 
-    def _run_eagerly(self, k, iterator):
-        self._function(k)
-        with quiet_tf_logger():  # one eager step: the overhead warning misleads
-            return self._eager[k](iterator)
+    def _instrumented_step(self, data):
+        """`step(data)` plus a float64 vector [replica, seconds, examples,
+        loss total, loss count] measured on this replica."""
+        replica = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group,
+                          tf.float64)
+        with tf.control_dependencies([t for t in tf.nest.flatten(data) if t is not None]):
+            start = tf.timestamp()
+        with tf.control_dependencies([start]):  # the forward pass starts after it
+            data = tf.nest.map_structure(lambda t: t if t is None else tf.identity(t), data)
+        marks = []
+        optimizer = self._model.optimizer
+        original = optimizer.apply if optimizer is not None else None
+        slowed = self._slowed
+
+        def timed_apply(grads, trainable_variables=None):
+            grads = list(grads)
+            flat = [t for t in tf.nest.flatten(grads, expand_composites=True)
+                    if t is not None]
+            with tf.control_dependencies(flat):
+                ready = tf.timestamp()
+            waits = testing.slow_down(replica, ready - start, ready, slowed) or [ready]
+            marks.append(waits[0])
+            with tf.control_dependencies(waits):
+                grads = [None if g is None else tf.nest.map_structure(
+                    tf.identity, g, expand_composites=True) for g in grads]
+            return original(grads, trainable_variables)
+
+        if optimizer is not None:
+            # Seen only while this step is traced: Keras' train_step calls
+            # optimizer.apply_gradients -> self.apply, found here first.
+            optimizer.__dict__["apply"] = timed_apply
+        try:
+            logs = self._step(data)
+        finally:
+            if optimizer is not None:
+                optimizer.__dict__.pop("apply", None)
+        x = keras.utils.unpack_x_y_sample_weight(data)[0]
+        first = next((t for t in tf.nest.flatten(x) if t is not None), None)
+        examples = (tf.cast(tf.shape(first)[0], tf.float64) if first is not None
+                    else tf.constant(np.nan, tf.float64))
+        with tf.control_dependencies(tf.nest.flatten(logs)):
+            end = marks[-1] if marks else tf.timestamp()
+            total, count = _loss_state(self._model)
+        return logs, tf.stack([replica, end - start, examples, total, count])
+
+    def _replica_steps(self, rows):
+        """`ReplicaStep`s from the gathered [replicas, k, 5] array."""
+        steps = []
+        for row in np.asarray(rows):
+            replica = int(row[0, 0])
+            total, count = float(row[-1, 3]), float(row[-1, 4])
+            before_total, before_count = self._loss_so_far.get(replica, (0.0, 0.0))
+            self._loss_so_far[replica] = (total, count)
+            added = count - before_count
+            loss = (total - before_total) / added if added > 0 else float("nan")
+            examples = row[:, 2].sum()
+            steps.append(replica_cbs.ReplicaStep(
+                replica=f"replica{replica}", steps=len(row), seconds=float(row[:, 1].sum()),
+                examples=None if np.isnan(examples) else int(examples), loss=loss))
+        return steps
+
+    def _call(self, k, iterator, eager):
+        if eager:
+            self._function(k)
+            with quiet_tf_logger():  # one eager step: the overhead warning misleads
+                result = self._eager[k](iterator)
+        else:
+            result = self._function(k)(iterator)
+        if self._instrument:
+            result, rows = result
+            self.replica_steps = self._replica_steps(rows)
+        return result
 
     def steps(self, iterator, total):
         """Yields `(begin, None, None)` before and `(begin, end, logs)` after
@@ -182,18 +285,27 @@ class _StepFunctions:
                 k = 1  # unknown length: stop exactly at the end of the data
             yield begin, None, None
             try:
-                if not self._warm:
-                    # First call eagerly: the optimizer and metrics create their
-                    # variables there, which a tf.function may not do.
-                    logs = self._run_eagerly(k, iterator)
-                    self._warm = True
-                else:
-                    logs = self._function(k)(iterator)
+                # First call eagerly: the optimizer and metrics create their
+                # variables there, which a tf.function may not do.
+                logs = self._call(k, iterator, eager=not self._warm)
+                self._warm = True
             except (tf.errors.OutOfRangeError, StopIteration):
                 self.ran_out = True
                 return
             yield begin, begin + k - 1, logs
             begin += k
+
+
+def _loss_state(model):
+    """This replica's running loss sum and count (Keras' loss tracker)."""
+    for metric in model.metrics:
+        if metric.name == "loss":
+            values = {v.name: v for v in metric.variables}
+            if "total" in values and "count" in values:
+                return (tf.cast(values["total"].value, tf.float64),
+                        tf.cast(values["count"].value, tf.float64))
+    nan = tf.constant(np.nan, tf.float64)
+    return nan, nan
 
 
 @contextlib.contextmanager

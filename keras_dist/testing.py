@@ -1,0 +1,168 @@
+"""Fault injection for tests, demos and benchmarks: slow workers on demand.
+
+A straggler is hard to produce on purpose: real slowness comes from a busy
+node, a thermal limit or a noisy neighbour. This module makes one (or
+several) workers' training steps slower by a factor, in every strategy
+keras_dist drives, without touching the training script:
+
+    KERAS_DIST_SLOW_WORKER=1:3 keras-dist-run --workers 2 --ps 1 -- python train.py
+
+The value is `index:factor[,index:factor...]`. The index is a worker's
+task index in asynchronous (parameter-server) training and a replica's
+index in synchronous training (`replica_id_in_sync_group`; under
+`MultiWorkerMirroredStrategy` with one device per worker that is the
+worker's index). Factor 3 makes each of that worker's steps take 3 times
+as long: after computing its gradients (and before the update, or the
+gradient all-reduce in synchronous training) the step sleeps for
+`factor - 1` times the time it took so far. The sleep is a TensorFlow op
+running on the worker itself, so it works on remote parameter-server
+workers, where Python code cannot run; it blocks one thread and burns no
+CPU, so it does not slow the other workers down on a shared machine.
+
+The setting is read when a training function is traced: set the variable
+before `fit` (the launcher passes its environment to every task), or use
+`slow_worker` around the `fit` call in a single process.
+"""
+
+import contextlib
+import os
+
+import tensorflow as tf
+
+SLOW_WORKER_ENV = "KERAS_DIST_SLOW_WORKER"
+"""Environment variable naming the slowed workers: `index:factor[,...]`."""
+
+
+def slow_workers_from_env(environ=None):
+    """The slowed workers as a dict `{index: factor}` (empty when unset).
+
+    Args:
+        environ: Mapping to read instead of `os.environ`.
+
+    Raises:
+        ValueError: if `KERAS_DIST_SLOW_WORKER` is malformed.
+
+    Example:
+
+    >>> from keras_dist.testing import slow_workers_from_env
+    >>> slow_workers_from_env({"KERAS_DIST_SLOW_WORKER": "1:3,2:1.5"})
+    {1: 3.0, 2: 1.5}
+    >>> slow_workers_from_env({})
+    {}
+    """
+    environ = os.environ if environ is None else environ
+    text = environ.get(SLOW_WORKER_ENV, "").strip()
+    if not text:
+        return {}
+    slowed = {}
+    for item in text.split(","):
+        index, sep, factor = item.strip().partition(":")
+        try:
+            index, factor = int(index), float(factor)
+        except ValueError:
+            index = factor = None
+        if not sep or index is None or index < 0 or not factor >= 1.0:
+            raise ValueError(
+                f"{SLOW_WORKER_ENV}={text!r}: each item must be "
+                "`index:factor` with a worker index >= 0 and a factor >= 1 "
+                f"(e.g. '1:3' makes worker 1 three times slower). Bad item: {item!r}.")
+        if index in slowed:
+            raise ValueError(f"{SLOW_WORKER_ENV}={text!r} names index {index} twice.")
+        slowed[index] = factor
+    return slowed
+
+
+@contextlib.contextmanager
+def slow_worker(index, factor):
+    """Makes worker (or replica) `index` `factor` times slower inside the block.
+
+    Sets `KERAS_DIST_SLOW_WORKER` for the block (adding to what is already
+    there) and restores it afterwards. Training functions traced inside the
+    block carry the slowdown.
+
+    Example:
+
+    >>> import os
+    >>> from keras_dist.testing import slow_worker, slow_workers_from_env
+    >>> with slow_worker(1, 3):
+    ...     slow_workers_from_env()
+    {1: 3.0}
+    >>> "KERAS_DIST_SLOW_WORKER" in os.environ
+    False
+    """
+    previous = os.environ.get(SLOW_WORKER_ENV)
+    slowed = slow_workers_from_env()
+    slowed[int(index)] = float(factor)
+    text = ",".join(f"{i}:{f:g}" for i, f in sorted(slowed.items()))
+    slow_workers_from_env({SLOW_WORKER_ENV: text})  # validates index and factor
+    os.environ[SLOW_WORKER_ENV] = text
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(SLOW_WORKER_ENV, None)
+        else:
+            os.environ[SLOW_WORKER_ENV] = previous
+
+
+def sleep(seconds, after=None):
+    """A TensorFlow op that sleeps `seconds`; returns the time it woke up.
+
+    Works in graphs on any device, remote parameter-server workers included
+    (it is a tf.data sleep, run to its single element). It blocks one
+    thread and does not use the CPU.
+
+    Args:
+        seconds: Float scalar (tensor or number); `<= 0` sleeps not at all.
+        after: Optional tensor(s) the sleep waits for.
+
+    Returns:
+        A float64 scalar: `tf.timestamp()` once the sleep is over.
+
+    Example:
+
+    >>> import tensorflow as tf
+    >>> from keras_dist.testing import sleep
+    >>> start = tf.timestamp()
+    >>> float(sleep(0.05, after=start) - start) >= 0.05
+    True
+    """
+    deps = tf.nest.flatten(after) if after is not None else []
+    with tf.control_dependencies(deps):
+        # DatasetToSingleElement asks the iterator twice (the element, then
+        # its end), and the sleep dataset sleeps on every request: halve it.
+        micros = tf.cast(tf.maximum(tf.cast(seconds, tf.float64), 0.0) * 5e5, tf.int64)
+        seed = tf.zeros([], tf.int64)
+        variant = tf.raw_ops.TensorDataset(components=[seed], output_shapes=[[]])
+        variant = tf.raw_ops.SleepDataset(
+            input_dataset=variant, sleep_microseconds=micros,
+            output_types=[tf.int64], output_shapes=[[]])
+        woke = tf.raw_ops.DatasetToSingleElement(
+            dataset=variant, output_types=[tf.int64], output_shapes=[[]])
+    with tf.control_dependencies(woke):
+        return tf.timestamp()
+
+
+def slow_down(identity, elapsed, after, slowed=None):
+    """In a traced step: sleeps when `identity` is a slowed worker.
+
+    Args:
+        identity: Integer scalar tensor: the worker index (asynchronous) or
+            replica index (synchronous) running this step.
+        elapsed: Float64 scalar tensor: seconds the step took so far.
+        after: Tensor(s) the sleep must follow (e.g. the gradients).
+        slowed: `{index: factor}`; defaults to `slow_workers_from_env()`.
+
+    Returns:
+        A list of control dependencies for what must wait for the sleep
+        (empty when nothing is slowed, so no op is added at all).
+    """
+    slowed = slow_workers_from_env() if slowed is None else slowed
+    if not slowed:
+        return []
+    identity = tf.cast(identity, tf.int64)
+    extra = tf.constant(0.0, tf.float64)
+    for index, factor in slowed.items():
+        extra = tf.where(tf.equal(identity, index),
+                         tf.cast(factor - 1.0, tf.float64) * elapsed, extra)
+    return [sleep(extra, after=after)]
