@@ -21,6 +21,7 @@ under `MirroredStrategy`.
 """
 
 import contextlib
+import threading
 import warnings
 
 import keras
@@ -210,11 +211,9 @@ class _StepFunctions:
         with tf.control_dependencies([start]):  # the forward pass starts after it
             data = tf.nest.map_structure(lambda t: t if t is None else tf.identity(t), data)
         marks = []
-        optimizer = self._model.optimizer
-        original = optimizer.apply if optimizer is not None else None
         slowed = self._slowed
 
-        def timed_apply(grads, trainable_variables=None):
+        def timed_apply(original, grads, trainable_variables=None):
             grads = list(grads)
             flat = [t for t in tf.nest.flatten(grads, expand_composites=True)
                     if t is not None]
@@ -227,15 +226,11 @@ class _StepFunctions:
                     tf.identity, g, expand_composites=True) for g in grads]
             return original(grads, trainable_variables)
 
-        if optimizer is not None:
-            # Seen only while this step is traced: Keras' train_step calls
-            # optimizer.apply_gradients -> self.apply, found here first.
-            optimizer.__dict__["apply"] = timed_apply
+        _replica_hooks.apply = timed_apply  # this replica's thread only
         try:
             logs = self._step(data)
         finally:
-            if optimizer is not None:
-                optimizer.__dict__.pop("apply", None)
+            _replica_hooks.apply = None
         x = keras.utils.unpack_x_y_sample_weight(data)[0]
         first = next((t for t in tf.nest.flatten(x) if t is not None), None)
         examples = (tf.cast(tf.shape(first)[0], tf.float64) if first is not None
@@ -262,12 +257,13 @@ class _StepFunctions:
         return steps
 
     def _call(self, k, iterator, eager):
-        if eager:
-            self._function(k)
-            with quiet_tf_logger():  # one eager step: the overhead warning misleads
-                result = self._eager[k](iterator)
-        else:
-            result = self._function(k)(iterator)
+        with _hooked_apply(self._model.optimizer if self._instrument else None):
+            if eager:
+                self._function(k)
+                with quiet_tf_logger():  # one eager step: the overhead warning misleads
+                    result = self._eager[k](iterator)
+            else:
+                result = self._function(k)(iterator)
         if self._instrument:
             result, rows = result
             self.replica_steps = self._replica_steps(rows)
@@ -294,6 +290,37 @@ class _StepFunctions:
                 return
             yield begin, begin + k - 1, logs
             begin += k
+
+
+_replica_hooks = threading.local()
+
+
+@contextlib.contextmanager
+def _hooked_apply(optimizer):
+    """Routes `optimizer.apply` through the calling replica's hook, if any.
+
+    Keras' `train_step` calls `optimizer.apply_gradients`, which calls
+    `self.apply`: an instance attribute is found first. MirroredStrategy
+    traces each replica in its own thread, so each replica's hook is kept
+    thread-locally; the dispatcher is there only while a step function is
+    called (traced), and calls the optimizer's own `apply` when no hook is.
+    """
+    if optimizer is None:
+        yield
+        return
+    original = optimizer.apply
+
+    def apply(grads, trainable_variables=None):
+        hook = getattr(_replica_hooks, "apply", None)
+        if hook is None:
+            return original(grads, trainable_variables)
+        return hook(original, grads, trainable_variables)
+
+    optimizer.__dict__["apply"] = apply
+    try:
+        yield
+    finally:
+        optimizer.__dict__.pop("apply", None)
 
 
 def _loss_state(model):

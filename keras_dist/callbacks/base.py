@@ -114,12 +114,11 @@ class ReplicaCallback(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if self._fed_by_loop or self._batch_started is None:
             return
-        # Keras' own loop: one replica, timed on the host.
+        # Keras' own loop: one replica, timed on the host. Its batch logs
+        # hold running means, not this batch's loss: the loss stays unknown.
         seconds = time.perf_counter() - self._batch_started
         self._batch_started = None
-        loss = (logs or {}).get("loss", math.nan)
-        self.on_replica_steps(batch, [ReplicaStep("replica0", 1, seconds, None,
-                                                  float(loss))])
+        self.on_replica_steps(batch, [ReplicaStep("replica0", 1, seconds)])
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None and not self._fed_by_loop:

@@ -137,6 +137,12 @@ class PerReplicaMetrics(ReplicaCallback):
                 for name, value in values.items()}
 
     def on_epoch_end(self, epoch, logs=None):
+        if not self._fed_by_loop and logs and "loss" in logs and "replica0" in self._epoch:
+            # Keras' own loop, one replica: its loss is the epoch's loss.
+            epoch_tally, all_tally = self._epoch["replica0"], self._all["replica0"]
+            epoch_tally.loss_sum, epoch_tally.loss_weight = float(logs["loss"]), 1.0
+            all_tally.loss_sum += float(logs["loss"]) * epoch_tally.steps
+            all_tally.loss_weight += epoch_tally.steps
         super().on_epoch_end(epoch, logs)
         if not self.epoch_metrics:
             self.replica_logs()

@@ -51,6 +51,9 @@ class StragglerDetector(ReplicaCallback):
             scored. Defaults to `window`.
         recovery: Float in (threshold, 1]: score at which a flagged worker
             counts as recovered. Defaults to `(1 + threshold) / 2`.
+        min_gap: Float >= 0, seconds. A worker is flagged only if its median
+            is also at least this much above the fastest one's: sub-
+            millisecond steps jitter by large ratios that cost nothing.
 
     Attributes:
         scores: Dict `worker -> score` (latest).
@@ -71,7 +74,7 @@ class StragglerDetector(ReplicaCallback):
     """
 
     def __init__(self, window=50, threshold=0.75, action="warn", min_steps=None,
-                 recovery=None):
+                 recovery=None, min_gap=0.001):
         super().__init__()
         if isinstance(window, bool) or not isinstance(window, int) or window < 2:
             raise ValueError(
@@ -100,6 +103,12 @@ class StragglerDetector(ReplicaCallback):
                 f"StragglerDetector: `recovery` must be a number in (threshold={threshold!r}, "
                 f"1]. Received: recovery={recovery!r}.")
         self.recovery = float(recovery)
+        if isinstance(min_gap, bool) or not isinstance(min_gap, (int, float)) \
+                or not min_gap >= 0:
+            raise ValueError(
+                "StragglerDetector: `min_gap` must be a number of seconds >= 0. "
+                f"Received: min_gap={min_gap!r}.")
+        self.min_gap = float(min_gap)
         self.window, self.threshold, self.action = window, float(threshold), action
         self.min_steps = min_steps
         self._times = collections.defaultdict(lambda: collections.deque(maxlen=window))
@@ -128,7 +137,8 @@ class StragglerDetector(ReplicaCallback):
                        for worker, median in sorted(medians.items())}
         for worker, score in self.scores.items():
             was_flagged = worker in self.stragglers
-            flagged = score < (self.recovery if was_flagged else self.threshold)
+            flagged = (score < (self.recovery if was_flagged else self.threshold)
+                       and medians[worker] - fastest >= self.min_gap)
             if flagged == was_flagged:
                 continue
             if flagged:
