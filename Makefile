@@ -28,12 +28,13 @@ test: $(STAMP)
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict --site-dir site
 
-## bench: every benchmark side by side, then docs/benchmarks.md (installs the bench extra; ~6 min)
+## bench: every benchmark side by side, then docs/benchmarks.md (installs the bench extra; ~10 min)
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) benchmarks/fit_overhead.py
 	$(VENV)/bin/keras-dist-run --workers 2 --ps 1 -- $(PY) benchmarks/ps_throughput.py
 	$(PY) benchmarks/staleness_convergence.py --workers 4,16,64,256
+	$(PY) benchmarks/straggler.py
 	$(PY) benchmarks/report.py
 
 clean:
