@@ -1,5 +1,12 @@
 """Fault injection for tests, demos and benchmarks: slow workers on demand.
 
+Example:
+
+>>> import keras_dist as kd
+>>> with kd.testing.slow_worker(1, 3):   # worker 1 three times slower in this block
+...     kd.testing.slow_workers_from_env()
+{1: 3.0}
+
 A straggler is hard to produce on purpose: real slowness comes from a busy
 node, a thermal limit or a noisy neighbour. This module makes one (or
 several) workers' training steps slower by a factor, in every strategy
@@ -28,6 +35,8 @@ import contextlib
 import os
 
 import tensorflow as tf
+
+__all__ = ["sleep", "slow_down", "slow_worker", "slow_workers_from_env"]
 
 SLOW_WORKER_ENV = "KERAS_DIST_SLOW_WORKER"
 """Environment variable naming the slowed workers: `index:factor[,...]`."""
@@ -156,6 +165,17 @@ def slow_down(identity, elapsed, after, slowed=None):
     Returns:
         A list of control dependencies for what must wait for the sleep
         (empty when nothing is slowed, so no op is added at all).
+
+    Example:
+
+    >>> import tensorflow as tf
+    >>> from keras_dist.testing import slow_down
+    >>> start = tf.timestamp()
+    >>> waits = slow_down(1, tf.constant(0.01, tf.float64), start, slowed={1: 3.0})
+    >>> float(waits[0] - start) >= 0.02   # worker 1: (3 - 1) x 10 ms more
+    True
+    >>> slow_down(0, 0.01, start, slowed={})
+    []
     """
     slowed = slow_workers_from_env() if slowed is None else slowed
     if not slowed:

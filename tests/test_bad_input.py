@@ -90,6 +90,18 @@ CASES = {
                               "`workers` must be an integer >= 1"),
     "simulate_bad_straggler": (lambda: simulate.schedule(2, 10, stragglers={5: 2.0}), ValueError,
                                "`stragglers` maps a worker index"),
+    # callbacks and fault injection
+    "straggler_window_too_small": (lambda: kd.callbacks.StragglerDetector(window=1), ValueError,
+                                   "`window` must be an integer >= 2"),
+    "straggler_threshold_outside": (lambda: kd.callbacks.StragglerDetector(threshold=1.5),
+                                    ValueError, "strictly between 0 and 1"),
+    "straggler_unknown_action": (lambda: kd.callbacks.StragglerDetector(action="page"),
+                                 ValueError, "`action` must be 'warn', 'raise' or a callable"),
+    "per_replica_bad_log_dir": (lambda: kd.callbacks.PerReplicaMetrics(log_dir=["a"]),
+                                ValueError, "`log_dir` must be a directory path or None"),
+    "slow_worker_env_malformed": (
+        lambda: kd.testing.slow_workers_from_env({"KERAS_DIST_SLOW_WORKER": "1x3"}),
+        ValueError, "each item must be `index:factor`"),
 }
 
 

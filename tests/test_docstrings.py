@@ -21,6 +21,10 @@ MODULES = (
     "keras_dist",
     "keras_dist.async_loop",
     "keras_dist.async_model",
+    "keras_dist.callbacks",
+    "keras_dist.callbacks.base",
+    "keras_dist.callbacks.per_replica",
+    "keras_dist.callbacks.straggler",
     "keras_dist.cluster",
     "keras_dist.data",
     "keras_dist.datasets",
@@ -38,6 +42,7 @@ MODULES = (
     "keras_dist.simulate",
     "keras_dist.staleness",
     "keras_dist.strategy",
+    "keras_dist.testing",
 )
 OPTIONFLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 _EXAMPLE_SECTION = re.compile(r"^\s*Examples?:\s*$", re.MULTILINE)

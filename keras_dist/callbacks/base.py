@@ -45,6 +45,14 @@ class ReplicaStep:
         loss: Float. Mean training loss over those examples (NaN if unknown).
         staleness: Tuple of integers, one tau per update (asynchronous
             training only; empty otherwise).
+
+    Example:
+
+    >>> from keras_dist.callbacks import ReplicaStep
+    >>> step = ReplicaStep("worker1", steps=2, seconds=0.03, examples=64, loss=0.5,
+    ...                    staleness=(1, 0))
+    >>> step.seconds / step.steps
+    0.015
     """
 
     replica: str

@@ -11,7 +11,21 @@ logger = logging.getLogger("keras_dist")
 
 
 class StragglerError(RuntimeError):
-    """Raised by `StragglerDetector(action="raise")` when a straggler appears."""
+    """Raised by `StragglerDetector(action="raise")` when a straggler appears.
+
+    Example:
+
+    >>> import keras_dist as kd
+    >>> from keras_dist.callbacks import ReplicaStep
+    >>> detector = kd.callbacks.StragglerDetector(window=2, action="raise")
+    >>> detector.on_replica_steps(0, [ReplicaStep("worker0", 2, 0.02),
+    ...                               ReplicaStep("worker1", 2, 0.08)])
+    >>> try:
+    ...     detector.on_train_batch_end(0, {})
+    ... except kd.callbacks.StragglerError as error:
+    ...     print(str(error)[:35])
+    worker1 is a straggler at batch 0: 
+    """
 
 
 class StragglerDetector(ReplicaCallback):
