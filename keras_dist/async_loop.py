@@ -73,6 +73,8 @@ def fit_async(model, strategy, x=None, y=None, *, batch_size=None, epochs=1,
 
     model.stop_training = False
     callbacks.on_train_begin()
+    # Set by a restoring callback (BackupAndRestore), as Keras' own loop reads it.
+    initial_epoch = getattr(model, "_initial_epoch", None) or initial_epoch
     logs, epoch_logs = {}, {}
     for epoch in range(initial_epoch, epochs):
         model.reset_metrics()

@@ -74,7 +74,9 @@ def fit_loop(model, strategy, x=None, y=None, *, batch_size=None, epochs=1,
 
     model.stop_training = False
     callbacks.on_train_begin()
-    logs = {}
+    # Set by a restoring callback (BackupAndRestore), as Keras' own loop reads it.
+    initial_epoch = getattr(model, "_initial_epoch", None) or initial_epoch
+    logs, epoch_logs = {}, {}
     iterator = iter(train.dataset) if train.repeats else None
     for epoch in range(initial_epoch, epochs):
         model.reset_metrics()
@@ -110,7 +112,7 @@ def fit_loop(model, strategy, x=None, y=None, *, batch_size=None, epochs=1,
         callbacks.on_epoch_end(epoch, epoch_logs)
         if model.stop_training:
             break
-    callbacks.on_train_end(logs=epoch_logs if epochs > initial_epoch else logs)
+    callbacks.on_train_end(logs=epoch_logs or logs)
     return model.history
 
 

@@ -22,6 +22,7 @@ MODULES = (
     "keras_dist.async_loop",
     "keras_dist.async_model",
     "keras_dist.callbacks",
+    "keras_dist.callbacks.backup",
     "keras_dist.callbacks.base",
     "keras_dist.callbacks.per_replica",
     "keras_dist.callbacks.straggler",

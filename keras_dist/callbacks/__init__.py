@@ -1,4 +1,4 @@
-"""Callbacks that see each replica and worker: stragglers and per-replica metrics.
+"""Callbacks for distributed training: stragglers, per-replica metrics, backups.
 
 They work in every strategy keras_dist drives (one device, Mirrored,
 MultiWorkerMirrored, parameter servers) and drop into any `fit` call.
@@ -16,9 +16,10 @@ Example:
 [4]
 """
 
+from keras_dist.callbacks.backup import BackupAndRestore
 from keras_dist.callbacks.base import ReplicaCallback, ReplicaStep
 from keras_dist.callbacks.per_replica import PerReplicaMetrics
 from keras_dist.callbacks.straggler import StragglerDetector, StragglerError
 
-__all__ = ["PerReplicaMetrics", "ReplicaCallback", "ReplicaStep", "StragglerDetector",
+__all__ = ["BackupAndRestore", "PerReplicaMetrics", "ReplicaCallback", "ReplicaStep", "StragglerDetector",
            "StragglerError"]

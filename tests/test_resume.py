@@ -1,0 +1,198 @@
+"""Chief and parameter-server failures: fail fast, then resume from a backup.
+
+Real clusters under keras-dist-run run tests/scripts/resume_train.py with
+kd.callbacks.BackupAndRestore. A first run crashes (the chief exits hard
+right after an epoch's backup, or the test SIGKILLs the ps); the launcher
+must stop the whole cluster promptly with a message naming the task. Rerunning
+the same command resumes: the epoch after the checkpoint, the weights and
+optimizer state exactly as backed up, and (asynchronous) the parameter version.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import keras
+import numpy as np
+import pytest
+
+import keras_dist as kd
+from keras_dist.callbacks import BackupAndRestore
+from procs import REPO
+
+
+def launch(out_dir, backup, epochs, crash_epoch, ps):
+    cmd = [sys.executable, "-m", "keras_dist.launch", "--workers", "2", "--ps", str(ps),
+           "--", sys.executable, "tests/scripts/resume_train.py", str(out_dir),
+           str(backup), str(epochs), str(crash_epoch)]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def finish(proc, timeout=240):
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return proc.returncode, out
+
+
+def check_resumed(out_dir, crash_epochs_done, epochs, ps):
+    """The rerun resumed after epoch `crash_epochs_done` with the exact state."""
+    with open(out_dir / "result.json") as f:
+        result = json.load(f)
+    assert result["restored_epoch"] == crash_epochs_done
+    assert result["epochs"] == list(range(crash_epochs_done, epochs))
+    saved = np.load(out_dir / f"weights-{crash_epochs_done}.npz")
+    restored = np.load(out_dir / "restored.npz")
+    np.testing.assert_array_equal(restored["weights"], saved["weights"])
+    np.testing.assert_array_equal(restored["optimizer"], saved["optimizer"])
+    if ps:  # every epoch is 20 updates; the version continued from the backup
+        assert int(saved["version"]) == 20 * crash_epochs_done
+        assert result["version"] == 20 * epochs
+    assert result["history"]["loss"][-1] < 1.0
+    return result
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("ps", [1, 0], ids=["async", "multiworker"])
+def test_chief_crash_stops_the_cluster_and_a_rerun_resumes(tmp_path, ps):
+    backup = tmp_path / "backup"
+    began = time.monotonic()
+    code, out = finish(launch(tmp_path, backup, 5, 2, ps))
+    crashed_after = time.monotonic() - began
+    chief = "chief:0" if ps else "worker:0"
+    assert code == 3, out[-3000:]
+    assert f"{chief} exited with code 3; stopping the cluster" in out, out[-3000:]
+    assert sorted(os.listdir(backup)) == ["epoch-000003", "latest.json"]
+    # Fail fast: the launcher does not wait for anything after the crash.
+    assert crashed_after < 120
+    code, out = finish(launch(tmp_path, backup, 5, -1, ps))
+    assert code == 0, out[-3000:]
+    assert f"resuming from {backup}/epoch-000003 at epoch 4 (backed up after epoch 3)" in out
+    check_resumed(tmp_path, 3, 5, ps)
+
+
+@pytest.mark.multiprocess
+def test_parameter_server_killed_stops_the_cluster_and_a_rerun_resumes(tmp_path):
+    backup = tmp_path / "backup"
+    proc = launch(tmp_path, backup, 6, -1, ps=1)
+    lines = []
+    ps_pid = None
+    deadline = time.monotonic() + 180
+    try:
+        for line in proc.stdout:  # until epoch 2 is backed up, then kill the ps
+            lines.append(line)
+            found = re.search(r"started ps:0 \(pid (\d+)\)", line)
+            if found:
+                ps_pid = int(found.group(1))
+            if (tmp_path / "progress-2").exists() or time.monotonic() > deadline:
+                break
+        assert ps_pid is not None and (tmp_path / "progress-2").exists(), "".join(lines)
+        os.kill(ps_pid, signal.SIGKILL)
+        killed = time.monotonic()
+        code, rest = finish(proc, timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = "".join(lines) + rest
+    assert code != 0
+    assert "ps:0 exited with code -9; stopping the cluster" in out, out[-3000:]
+    assert time.monotonic() - killed < 60  # no hang on the dead ps
+    with open(backup / "latest.json") as f:
+        in_force = json.load(f)["directory"]
+    done = int(in_force.split("-")[1])
+    assert done >= 2
+    code, out = finish(launch(tmp_path, backup, 6, -1, ps=1))
+    assert code == 0, out[-3000:]
+    check_resumed(tmp_path, done, 6, ps=1)
+
+
+# ------------------------------------------------------------- one process
+def _model():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.Adam(0.01), "mse")
+    return model
+
+
+X, Y = np.random.default_rng(0).normal(size=(64, 4)), np.ones((64, 1))
+
+
+def test_a_crash_while_writing_leaves_the_previous_backup_in_force(tmp_path, monkeypatch):
+    backup = BackupAndRestore(tmp_path, delete_checkpoint=False)
+    model = _model()
+    model.fit(X, Y, epochs=2, verbose=0, callbacks=[backup])
+    before = [w.copy() for w in model.get_weights()]
+    real_save = keras.Model.save_weights
+
+    def torn_save(self, filepath, *args, **kwargs):
+        with open(filepath, "wb") as f:
+            f.write(b"\x89HDF half a file")  # the machine dies mid-write
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(keras.Model, "save_weights", torn_save)
+    with pytest.raises(OSError, match="No space left"):
+        model.fit(X, Y, epochs=4, verbose=0, callbacks=[backup])
+    monkeypatch.setattr(keras.Model, "save_weights", real_save)
+    assert backup.latest()["epoch"] == 2  # the torn write never came into force
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".writing-")]
+    fresh = _model()
+    history = fresh.fit(X, Y, epochs=3, verbose=0,
+                        callbacks=[restorer := BackupAndRestore(tmp_path, delete_checkpoint=False)])
+    assert restorer.restored_epoch == 2 and history.epoch == [2]
+    # Restored exactly what epoch 2 backed up (then trained one more epoch).
+    probe = _model()
+    probe.fit(X, Y, epochs=2, verbose=0)  # same seed, same data: epoch-2 weights
+    for a, b in zip(before, probe.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_backup_is_deleted_after_a_normal_end_and_the_next_fit_starts_at_zero(tmp_path):
+    model = _model()
+    backup = BackupAndRestore(tmp_path / "b")
+    model.fit(X, Y, epochs=2, verbose=0, callbacks=[backup])
+    assert not (tmp_path / "b").exists()
+    # Keras' own BackupAndRestore leaves model._initial_epoch set; ours clears it.
+    assert model.fit(X, Y, epochs=1, verbose=0).epoch == [0]
+
+
+def test_a_backup_of_another_model_is_refused_clearly(tmp_path):
+    _model().fit(X, Y, epochs=1, verbose=0,
+                 callbacks=[BackupAndRestore(tmp_path, delete_checkpoint=False)])
+    other = keras.Sequential([keras.Input((4,)), keras.layers.Dense(7), keras.layers.Dense(1)])
+    other.compile("sgd", "mse")
+    with pytest.raises(ValueError, match="(?s)does not fit this model.*Delete it to start afresh"):
+        other.fit(X, Y, epochs=2, verbose=0, callbacks=[BackupAndRestore(tmp_path)])
+
+
+def test_a_backup_whose_optimizer_differs_is_refused_not_half_loaded(tmp_path):
+    _model().fit(X, Y, epochs=1, verbose=0,
+                 callbacks=[BackupAndRestore(tmp_path, delete_checkpoint=False)])
+    model = _model()
+    model.compile(keras.optimizers.SGD(0.1, momentum=0.9), "mse")  # other slots
+    with pytest.raises(ValueError, match="Skipping variable loading for optimizer"):
+        model.fit(X, Y, epochs=2, verbose=0, callbacks=[BackupAndRestore(tmp_path)])
+
+
+def test_resume_under_mirrored_with_keras_dist_loop(tmp_path):
+    from conftest import CPUS
+
+    strategy = kd.resolve_strategy("mirrored", devices=CPUS)
+
+    class Stop(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1:
+                raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        kd.fit(_model, X, Y, epochs=4, batch_size=16, verbose=0, strategy=strategy,
+               callbacks=[BackupAndRestore(tmp_path, delete_checkpoint=False), Stop()])
+    history = kd.fit(_model, X, Y, epochs=4, batch_size=16, verbose=0, strategy=strategy,
+                     callbacks=[BackupAndRestore(tmp_path)])
+    assert history.epoch == [2, 3]
