@@ -140,6 +140,9 @@ class Cluster:
                 if code is None or task not in training and task[0] != "ps":
                     continue
                 if task == self.leader and self.config.num_ps:
+                    if code != 0:
+                        self._say(f"{task[0]}:{task[1]} exited with code {code}; stopping "
+                                  "the cluster")
                     return code
                 if self.config.num_ps and task[0] == "worker":
                     used = self.restarts.get(task, 0)
