@@ -237,7 +237,8 @@ def main(argv=None):
     finally:
         cluster.stop()
         signal.signal(signal.SIGTERM, previous)
-    return code
+    # A task killed by a signal: the shell's convention, 128 + signal number.
+    return code if code >= 0 else 128 - code
 
 
 if __name__ == "__main__":
