@@ -99,6 +99,10 @@ CASES = {
                                  ValueError, "`action` must be 'warn', 'raise' or a callable"),
     "per_replica_bad_log_dir": (lambda: kd.callbacks.PerReplicaMetrics(log_dir=["a"]),
                                 ValueError, "`log_dir` must be a directory path or None"),
+    "backup_dir_empty": (lambda: kd.callbacks.BackupAndRestore(""), ValueError,
+                         "`backup_dir` must be a non-empty directory path"),
+    "backup_keep_zero": (lambda: kd.callbacks.BackupAndRestore("b", keep=0), ValueError,
+                         "`keep` must be an integer >= 1"),
     "slow_worker_env_malformed": (
         lambda: kd.testing.slow_workers_from_env({"KERAS_DIST_SLOW_WORKER": "1x3"}),
         ValueError, "each item must be `index:factor`"),
