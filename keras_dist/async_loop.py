@@ -15,6 +15,7 @@ weights from the parameter servers.
 """
 
 import collections
+import logging
 import math
 
 import keras
@@ -28,6 +29,8 @@ from keras_dist.cluster import ClusterConfig
 from keras_dist.optimizers.base import staleness_aware_in
 from keras_dist.loop import pythonify, quiet_tf_logger, should_eval
 from keras_dist.staleness import StalenessStats, StepRecord
+
+logger = logging.getLogger("keras_dist")
 
 
 
@@ -93,7 +96,19 @@ def fit_async(model, strategy, x=None, y=None, *, batch_size=None, epochs=1,
                 pending.append((scheduled + k - 1, coordinator.schedule(fn, args=(iterator,))))
                 scheduled += k
             end, remote = pending.popleft()
-            logs, step = _record(remote.fetch(), stats, model.async_log_names)
+            try:
+                value = remote.fetch()
+            except _LOST as error:
+                # The step ran (its update is on the parameter servers) but
+                # the worker holding its result became unreachable before
+                # the chief copied it: only its numbers are lost.
+                stats.lost_results += 1
+                logger.warning("keras_dist: the result of steps %d-%d was lost with an "
+                               "unreachable worker (%s); its update was applied, its "
+                               "logs are not counted.", end - per_call + 1, end,
+                               type(error).__name__)
+                continue
+            logs, step = _record(value, stats, model.async_log_names)
             replica_cbs.feed(watchers, end, [step])
             callbacks.on_train_batch_end(end, logs)
             if model.stop_training:
@@ -120,6 +135,8 @@ def fit_async(model, strategy, x=None, y=None, *, batch_size=None, epochs=1,
     model._kd_async = False
     return model.history
 
+
+_LOST = (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError)
 
 WINDOW_PER_WORKER = 16
 """Closures scheduled ahead per worker while the chief waits on the oldest."""

@@ -7,6 +7,7 @@ chief schedules. The same script runs on every task: on worker and ps tasks
 """
 
 import logging
+import os
 import socket
 import time
 
@@ -17,6 +18,49 @@ from keras_dist.cluster import ClusterConfig
 logger = logging.getLogger("keras_dist")
 
 _SERVERS = {}
+
+
+GRPC_KEEPALIVE = ",".join([
+    "grpc.keepalive_time_ms=5000",            # ping an idle connection every 5 s
+    "grpc.keepalive_timeout_ms=5000",         # dead if a ping is unanswered for 5 s
+    "grpc.keepalive_permit_without_calls=1",
+    "grpc.http2.max_pings_without_data=0",
+    "grpc.http2.min_time_between_pings_ms=5000",
+    "grpc.http2.min_ping_interval_without_data_ms=4000",  # servers accept them
+])
+"""gRPC options keras_dist gives TensorFlow (`TF_GRPC_DEFAULT_OPTIONS`).
+
+Without keepalive, a task whose network link is cut (packets dropped, no
+connection reset) is never noticed: the coordinator's calls to it wait
+forever and asynchronous training stalls until the link returns (seen in
+tests/test_multihost.py before this was set). With it, the connection is
+declared dead within about 10 s, TensorFlow's coordinator re-runs the cut-off
+worker's steps elsewhere and uses the worker again once it answers."""
+
+
+def configure_grpc(environ=None):
+    """Sets `TF_GRPC_DEFAULT_OPTIONS` to `GRPC_KEEPALIVE` unless already set.
+
+    To opt out, set the variable yourself (any gRPC option, e.g.
+    `grpc.keepalive_time_ms=7200000`, gRPC's own default).
+
+    Must run before this process creates its first gRPC channel or server
+    (TensorFlow reads it then); `resolve_strategy` does so for cluster
+    strategies. Returns the value in force.
+
+    Example:
+
+    >>> from keras_dist.serve import configure_grpc
+    >>> env = {}
+    >>> configure_grpc(env).split(",")[0]
+    'grpc.keepalive_time_ms=5000'
+    >>> configure_grpc({"TF_GRPC_DEFAULT_OPTIONS": "grpc.keepalive_time_ms=60000"})
+    'grpc.keepalive_time_ms=60000'
+    """
+    environ = os.environ if environ is None else environ
+    if not environ.get("TF_GRPC_DEFAULT_OPTIONS"):  # unset or empty
+        environ["TF_GRPC_DEFAULT_OPTIONS"] = GRPC_KEEPALIVE
+    return environ["TF_GRPC_DEFAULT_OPTIONS"]
 
 
 def start_server(cluster):
@@ -35,6 +79,7 @@ def start_server(cluster):
             "Set TF_CONFIG's 'task' to this process's role and index.")
     key = cluster.address
     if key not in _SERVERS:
+        configure_grpc()
         config = tf.compat.v1.ConfigProto()
         config.inter_op_parallelism_threads = max(4, cluster.num_workers + 1)
         _SERVERS[key] = tf.distribute.Server(

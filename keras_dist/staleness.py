@@ -102,12 +102,16 @@ class StalenessStats:
 
     def __init__(self):
         self.records: List[StepRecord] = []
+        self.lost_results = 0
+        """Executions whose result was lost with an unreachable worker (their
+        updates were applied; their records are missing)."""
 
     def add(self, record):
         self.records.append(record)
 
     def reset(self):
         self.records = []
+        self.lost_results = 0
 
     @property
     def steps(self):

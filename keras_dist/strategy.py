@@ -27,7 +27,7 @@ from typing import Optional, Tuple
 import tensorflow as tf
 
 from keras_dist.cluster import ClusterConfig
-from keras_dist.serve import start_server, wait_for_tasks
+from keras_dist.serve import configure_grpc, start_server, wait_for_tasks
 
 logger = logging.getLogger("keras_dist")
 
@@ -288,6 +288,7 @@ def _parameter_server(cluster, variable_partitioner, connect_timeout):
             "parameter-server training only the 'chief' coordinates and 'worker' "
             "/ 'ps' tasks serve. Evaluator tasks are not supported yet: leave "
             "the evaluator out of the cluster.")
+    configure_grpc()
     wait_for_tasks(cluster, connect_timeout)
     return tf.distribute.ParameterServerStrategy(
         cluster.cluster_resolver(), variable_partitioner=variable_partitioner)
@@ -302,6 +303,8 @@ def _multi_worker(cluster):
             "checkpoints, or leave it out of the cluster."
         )
     resolver = cluster.cluster_resolver() if cluster is not None else None
+    if cluster is not None:
+        configure_grpc()  # a cut-off peer becomes an error, not an endless wait
     try:
         return tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver)
     except RuntimeError as error:

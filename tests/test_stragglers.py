@@ -2,11 +2,12 @@
 
 Each test starts `keras-dist-run` (asynchronous: chief, 2 workers, 1 ps;
 synchronous: 2 MultiWorkerMirrored workers) running
-tests/scripts/straggler_train.py; `KERAS_DIST_SLOW_WORKER` slows worker 1.
+tests/scripts/straggler_train.py; `KERAS_DIST_SLOW_WORKER` slows worker 1 (4x).
 
 Detector settings: the CI machine has 2 cores shared by 3-4 processes, where
 equal workers' step-time medians differ by up to ~30% (seen: scores down to
-0.70), so these runs use threshold 0.6; a 3x slower worker scores 0.35-0.5.
+0.70 on a quiet machine, 0.57 with other clusters running beside), so these
+runs use threshold 0.5, and slow worker 1 4x: it then scores 0.3-0.4.
 """
 
 import glob
@@ -23,7 +24,7 @@ from procs import REPO
 
 pytestmark = pytest.mark.multiprocess
 
-WINDOW, THRESHOLD = 40, 0.6
+WINDOW, THRESHOLD = 40, 0.5
 
 
 def run(tmp_path, *, ps, slow=None, epochs=8):
@@ -75,13 +76,13 @@ def check_tensorboard(tmp_path, history, names):
 
 
 def test_async_slowed_worker_is_flagged_and_per_worker_metrics_add_up(tmp_path):
-    result, output = run(tmp_path, ps=1, slow="1:3")
+    result, output = run(tmp_path, ps=1, slow="1:4")
     assert_flags_only(result, "worker1")
     history, totals = result["history"], result["totals"]
     assert history["straggler_score/worker0"][-1] == 1.0
     assert history["straggler_score/worker1"][-1] < THRESHOLD
     # Its own step time, as the metrics callback measured it, is the longest.
-    assert totals["worker1"]["step_time"] > 1.5 * totals["worker0"]["step_time"]
+    assert totals["worker1"]["step_time"] > 2 * totals["worker0"]["step_time"]
     # Every update is some worker's: per-worker updates sum to the steps.
     epochs = len(history["loss"])
     assert sum(t["updates"] for t in totals.values()) == result["version"] == epochs * 20
@@ -99,11 +100,11 @@ def test_async_slowed_worker_is_flagged_and_per_worker_metrics_add_up(tmp_path):
 
 
 def test_multiworker_slowed_replica_is_flagged_and_losses_average_to_keras(tmp_path):
-    result, output = run(tmp_path, ps=0, slow="1:3")
+    result, output = run(tmp_path, ps=0, slow="1:4")
     assert_flags_only(result, "replica1")
     history, totals = result["history"], result["totals"]
     assert history["straggler_score/replica0"][-1] == 1.0
-    assert totals["replica1"]["step_time"] > 1.5 * totals["replica0"]["step_time"]
+    assert totals["replica1"]["step_time"] > 2 * totals["replica0"]["step_time"]
     # Equal batches on both replicas: the mean of their losses is Keras' loss.
     mean = (np.array(history["replica0/loss"]) + np.array(history["replica1/loss"])) / 2
     np.testing.assert_allclose(mean, history["loss"], rtol=1e-5)
