@@ -136,7 +136,7 @@ def fit_async(model, strategy, x=None, y=None, *, batch_size=None, epochs=1,
     return model.history
 
 
-_LOST = (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError)
+_LOST = (tf.errors.UnavailableError,)  # seen when a worker is cut off (test_multihost)
 
 WINDOW_PER_WORKER = 16
 """Closures scheduled ahead per worker while the chief waits on the oldest."""

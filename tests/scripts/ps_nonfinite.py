@@ -42,7 +42,7 @@ def main(out_dir, mode):
                                                  verbose=0)["accuracy"]
         result["version"] = model.version
     except Exception as error:  # the "raise" mode: what the user sees
-        result["error"] = f"{type(error).__name__}: {error}"[:2000]
+        result["error"] = f"{type(error).__name__}: {error}"
     with open(os.path.join(out_dir, "result.json"), "w") as f:
         json.dump(result, f)
 
