@@ -3,10 +3,11 @@
 Turns what a user hands to `fit` (arrays, a `tf.data.Dataset`, or a
 `dataset_fn(input_context)`) into a distributed dataset sharded the TF way,
 plus the number of steps in one pass over it. Only used where Keras' own
-data handling cannot be (see `keras_dist.loop`).
+data handling cannot be (see `keras_dist.driver`).
 """
 
 import dataclasses
+import math
 from typing import Any, Optional
 
 import numpy as np
@@ -26,11 +27,14 @@ class DistributedInput:
         steps: Integer or `None` when the length is unknown.
         repeats: Boolean. Whether one iterator should be kept across epochs
             (`steps_per_epoch` given) rather than a new one per epoch.
+        sample: A function returning a small local batch, to create the
+            optimizer's and metrics' state before the first compiled step.
     """
 
     dataset: Any
     steps: Optional[int]
     repeats: bool = False
+    sample: Any = None
 
 
 def is_dataset_fn(x):
@@ -128,9 +132,7 @@ def distribute(strategy, x, y=None, sample_weight=None, *, batch_size=None,
         steps: Integer or `None`. `steps_per_epoch` / `validation_steps`.
         what: String. Argument name used in errors.
     """
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int)
-                              or steps < 1):
-        raise ValueError(f"Steps must be a positive integer. Received: {steps!r}.")
+    check_steps(steps)
     if is_dataset_fn(x):
         check_nothing_beside_dataset(y, sample_weight, class_weight, what)
         if steps is None:
@@ -140,10 +142,12 @@ def distribute(strategy, x, y=None, sample_weight=None, *, batch_size=None,
                 "validation) and make the dataset repeat."
             )
         dataset = strategy.distribute_datasets_from_function(x)
-        return DistributedInput(dataset, steps, repeats=True)
+        return DistributedInput(dataset, steps, repeats=True,
+                                sample=lambda: next(iter(x(tf.distribute.InputContext()))))
     if isinstance(x, tf.data.Dataset):
         check_nothing_beside_dataset(y, sample_weight, class_weight, what)
         dataset = x
+        sample = lambda: next(iter(x.take(1)))  # noqa: E731
     else:
         if y is not None and num_samples((x,)) != num_samples((y,)):
             raise ValueError(
@@ -153,6 +157,7 @@ def distribute(strategy, x, y=None, sample_weight=None, *, batch_size=None,
             )
         dataset = from_arrays(x, y, sample_weight, batch_size=batch_size,
                               shuffle=shuffle, class_weight=class_weight)
+        sample = lambda: next(iter(dataset.take(1)))  # noqa: E731
     cardinality = int(dataset.cardinality())
     if cardinality == tf.data.INFINITE_CARDINALITY and steps is None:
         raise ValueError(
@@ -162,8 +167,8 @@ def distribute(strategy, x, y=None, sample_weight=None, *, batch_size=None,
     known = cardinality if cardinality >= 0 else None
     distributed = strategy.experimental_distribute_dataset(dataset)
     if steps is not None:
-        return DistributedInput(distributed, steps, repeats=True)
-    return DistributedInput(distributed, known, repeats=False)
+        return DistributedInput(distributed, steps, repeats=True, sample=sample)
+    return DistributedInput(distributed, known, repeats=False, sample=sample)
 
 
 def check_nothing_beside_dataset(y, sample_weight, class_weight, what="x"):
@@ -185,3 +190,103 @@ def num_samples(arrays):
             f"Received sizes: {sorted(sizes)}."
         )
     return sizes.pop()
+
+
+@dataclasses.dataclass
+class PerWorkerInput:
+    """What asynchronous workers read: a per-worker dataset (or its function).
+
+    Attributes:
+        dataset: A `tf.data.Dataset`, a `dataset_fn()` building one on each
+            worker, or a distributed dataset from a `dataset_fn(context)`;
+            for `ClusterCoordinator.create_per_worker_dataset`.
+        steps: Integer. Updates per epoch, all workers together.
+        sample: A small batch, to create optimizer and metric state.
+    """
+
+    dataset: Any
+    steps: int
+    sample: Any
+
+
+def per_worker_input(strategy, x, y=None, sample_weight=None, *, batch_size=None,
+                     shuffle=True, class_weight=None, steps=None):
+    """Builds the `PerWorkerInput` for asynchronous training.
+
+    Arrays are read by each worker whole, in its own random order (in
+    asynchronous training no step boundary needs agreeing on), repeating so
+    every batch is full; `steps` defaults to one pass over them
+    (`ceil(samples / batch_size)`). A dataset or `dataset_fn` needs
+    `steps` unless its length is known.
+    """
+    check_steps(steps)
+    if isinstance(x, tf.data.Dataset) or is_dataset_fn(x):
+        check_nothing_beside_dataset(y, sample_weight, class_weight)
+    if is_dataset_fn(x):
+        if steps is None:
+            raise ValueError(
+                "`x` is a dataset_fn, whose length keras_dist cannot know; pass "
+                "`steps_per_epoch` (updates per epoch, all workers together).")
+        distributed = strategy.distribute_datasets_from_function(x)
+        sample = next(iter(x(tf.distribute.InputContext())))
+        return PerWorkerInput(distributed, steps, sample)
+    if isinstance(x, tf.data.Dataset):
+        cardinality = int(x.cardinality())
+        if steps is None:
+            if cardinality < 0:
+                raise ValueError(
+                    "`x` is a tf.data.Dataset of unknown or infinite length; pass "
+                    "`steps_per_epoch` (updates per epoch, all workers together).")
+            steps = cardinality
+        # A dataset object is serialized to every worker by the coordinator.
+        repeated = x.repeat() if cardinality != tf.data.INFINITE_CARDINALITY else x
+        return PerWorkerInput(repeated, steps, next(iter(x)))
+    if y is not None and num_samples((x,)) != num_samples((y,)):
+        raise ValueError(
+            f"`x` and `y` have different numbers of samples: {num_samples((x,))} and "
+            f"{num_samples((y,))}. Pass one target per input.")
+    batch_size = batch_size or DEFAULT_BATCH_SIZE
+    steps = steps or math.ceil(num_samples((x,)) / batch_size)
+
+    def dataset_fn():  # built on the worker: the arrays travel as constants
+        return from_arrays(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
+                           class_weight=class_weight, seed=None, repeat=True)
+
+    sample = (x[:2],) if y is None else (x[:2], y[:2])
+    return PerWorkerInput(dataset_fn, steps, sample)
+
+
+def check_steps(steps, what="steps_per_epoch"):
+    """`steps_per_epoch` / `validation_steps`: `None` or a positive integer."""
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int)
+                              or steps < 1):
+        raise ValueError(f"`{what}` must be a positive integer. Received: {steps!r}.")
+
+
+def unpack_validation(validation_data):
+    """`(x, y, sample_weight)` of `validation_data`, checked."""
+    if isinstance(validation_data, tf.data.Dataset) or is_dataset_fn(validation_data):
+        return validation_data, None, None
+    if not isinstance(validation_data, (tuple, list)) or not 2 <= len(validation_data) <= 3:
+        length = len(validation_data) if hasattr(validation_data, "__len__") else "?"
+        raise ValueError(
+            "`validation_data` must be a tf.data.Dataset, a dataset_fn, or a "
+            "tuple (x_val, y_val) or (x_val, y_val, val_sample_weight). "
+            f"Received: {type(validation_data).__name__} of length {length}.")
+    return (tuple(validation_data) + (None,))[:3]
+
+
+def check_validation_freq(validation_freq):
+    """An integer >= 1 or a collection of epoch numbers (1-based), as in Keras."""
+    if isinstance(validation_freq, bool) or (
+            isinstance(validation_freq, int) and validation_freq < 1):
+        raise ValueError(
+            f"`validation_freq` must be an integer >= 1 or a list of epochs. "
+            f"Received: validation_freq={validation_freq!r}.")
+
+
+def should_eval(epoch, validation_freq):
+    """Whether validation runs after 0-based `epoch` (Keras' rule)."""
+    if isinstance(validation_freq, int):
+        return (epoch + 1) % validation_freq == 0
+    return epoch + 1 in validation_freq

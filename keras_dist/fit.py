@@ -2,26 +2,35 @@
 
 `fit` resolves the strategy (`resolve_strategy`), makes sure the model lives
 in that strategy's scope, and trains with Keras' own loop where it works (no
-strategy, one device) and with `keras_dist.loop` where Keras 3's loop fails
-(several replicas: Mirrored, MultiWorkerMirrored).
+strategy, one device) and with keras_dist's epoch driver (`keras_dist.driver`)
+elsewhere: the synchronous executor where Keras 3's loop fails (several
+replicas: Mirrored, MultiWorkerMirrored), the asynchronous one on parameter
+servers. The cluster description and fault injection are read here, once,
+and handed down.
 """
 
 import logging
 
+import warnings
+
 import keras
 import tensorflow as tf
 
-from keras_dist import loop
+from keras_dist import driver
 from keras_dist import strategy as strategy_lib
-from keras_dist.async_loop import fit_async
+from keras_dist import testing
+from keras_dist import update
+from keras_dist.async_executor import AsyncExecutor
 from keras_dist.async_model import AsyncModel, serve_if_serving_task
 from keras_dist.cluster import ClusterConfig
 from keras_dist.data import is_dataset_fn
+from keras_dist.sync_executor import SyncExecutor
 
 logger = logging.getLogger("keras_dist")
 
 
-def fit(model, x=None, y=None, *, strategy="auto", cluster=None, **fit_kwargs):
+def fit(model, x=None, y=None, *, strategy="auto", cluster=None, nonfinite_updates=None,
+        **fit_kwargs):
     """Trains a Keras model with the right `tf.distribute` strategy.
 
     Same arguments and return value as `keras.Model.fit`, plus the choice of
@@ -55,6 +64,13 @@ def fit(model, x=None, y=None, *, strategy="auto", cluster=None, **fit_kwargs):
         strategy: String or `tf.distribute.Strategy`. See
             `resolve_strategy`. Defaults to `"auto"`.
         cluster: `ClusterConfig`, dict or `None` (read the environment).
+        nonfinite_updates: `"skip"`, `"raise"` or `None` for the model's
+            `nonfinite_updates` attribute if it has one, else `"skip"`. What
+            keras_dist's own loops (several replicas, parameter servers) do
+            with an update whose gradients are NaN or Inf: skip it and count
+            it (`skipped_nonfinite` in the logs of an epoch that skipped one)
+            or raise. Keras' own loop (one device) applies such updates as
+            Keras does; there it warns if this is given.
         **fit_kwargs: Any other argument of `keras.Model.fit` (`epochs`,
             `batch_size`, `callbacks`, `validation_data`, ...).
 
@@ -86,17 +102,29 @@ def fit(model, x=None, y=None, *, strategy="auto", cluster=None, **fit_kwargs):
         ValueError: if the model is not compiled, or for bad strategy or
             data arguments (each message names the value and the fix).
     """
+    if nonfinite_updates is not None:
+        update.NonFinitePolicy(nonfinite_updates)  # validates it before anything starts
     if isinstance(cluster, dict):
         cluster = ClusterConfig.from_dict(cluster)
+    if cluster is None:
+        cluster = ClusterConfig.from_env()
     serve_if_serving_task(cluster)
     dist = strategy_lib.resolve_strategy(strategy, cluster)
     model = _model_in_scope(model, dist)
+    mode = nonfinite_updates or getattr(model, "nonfinite_updates", None) or "skip"
+    setup = dict(nonfinite_updates=mode, faults=testing.faults_from_env(), cluster=cluster)
     if isinstance(dist, tf.distribute.ParameterServerStrategy):
-        with dist.scope():
-            model = AsyncModel.from_model(model)
-        return fit_async(model, dist, x, y, **fit_kwargs)
+        if _convertible(model):
+            with dist.scope():
+                model = AsyncModel.from_model(model)
+        return driver.fit(AsyncExecutor(model, dist, **setup), x, y, **fit_kwargs)
     if _needs_own_loop(dist):
-        return loop.fit_loop(model, dist, x, y, **fit_kwargs)
+        return driver.fit(SyncExecutor(model, dist, **setup), x, y, **fit_kwargs)
+    if nonfinite_updates is not None:
+        warnings.warn(
+            f"nonfinite_updates={nonfinite_updates!r} has no effect on one device: "
+            "Keras' own model.fit trains and applies updates as Keras does. Use "
+            "keras.callbacks.TerminateOnNaN to stop on NaN there.", stacklevel=2)
     if is_dataset_fn(x):
         x = dist.distribute_datasets_from_function(x)
     return model.fit(x, y, **fit_kwargs)
@@ -135,7 +163,7 @@ def evaluate(model, x=None, y=None, *, strategy=None, **evaluate_kwargs):
     if isinstance(dist, tf.distribute.ParameterServerStrategy):
         return AsyncModel.evaluate(model, x, y, **evaluate_kwargs)
     if _needs_own_loop(dist):
-        return loop.evaluate_loop(model, dist, x, y, **evaluate_kwargs)
+        return driver.evaluate(SyncExecutor(model, dist), x, y, **evaluate_kwargs)
     if is_dataset_fn(x):
         x = dist.distribute_datasets_from_function(x)
     return model.evaluate(x, y, **evaluate_kwargs)
@@ -157,6 +185,17 @@ def _needs_own_loop(dist):
     resolver = dist.cluster_resolver
     spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
     return len(spec.get("chief", ())) + len(spec.get("worker", ())) > 1
+
+
+def _convertible(model):
+    """Whether `AsyncModel.from_model` can re-wrap `model` (functional or
+    Sequential with inputs); other models are trained as they are."""
+    if isinstance(model, AsyncModel):
+        return True
+    try:
+        return bool(model.inputs) and bool(model.outputs)
+    except (AttributeError, ValueError):
+        return False
 
 
 def _model_in_scope(model, dist):

@@ -168,6 +168,7 @@ def fit(model, x, y, *, workers, epochs=1, batch_size=32, validation_data=None,
     >>> len(history["loss"]), len(sched.staleness)
     (2, 4)
     """
+    from keras_dist import update
     from keras_dist.optimizers.base import staleness_aware_in
 
     steps_per_epoch = len(x) // batch_size
@@ -190,9 +191,9 @@ def fit(model, x, y, *, workers, epochs=1, batch_size=32, validation_data=None,
 
     @tf.function(reduce_retracing=True)
     def apply(grads, pulled, tau):
-        if aware is not None:
-            aware.set_pending(tau, pulled)
-        optimizer.apply(grads, variables)
+        info = update.UpdateInfo(staleness=tau, pulled=pulled) if aware is not None else None
+        with update.providing(info):
+            optimizer.apply(grads, variables)
 
     def snapshot():
         return [tf.identity(v.value) for v in variables]

@@ -26,20 +26,72 @@ running on the worker itself, so it works on remote parameter-server
 workers, where Python code cannot run; it blocks one thread and burns no
 CPU, so it does not slow the other workers down on a shared machine.
 
-The setting is read when a training function is traced: set the variable
-before `fit` (the launcher passes its environment to every task), or use
-`slow_worker` around the `fit` call in a single process.
+The setting is read once, when `fit` starts (`faults_from_env`), and handed
+to the executors as a `FaultInjection`: the one place where fault injection
+enters production code. Set the variable before `fit` (the launcher passes
+its environment to every task), or use `slow_worker` around the `fit` call
+in a single process.
 """
 
 import contextlib
+import dataclasses
 import os
+from typing import Dict
 
 import tensorflow as tf
 
-__all__ = ["sleep", "slow_down", "slow_worker", "slow_workers_from_env"]
+__all__ = ["FaultInjection", "faults_from_env", "sleep", "slow_down", "slow_worker",
+           "slow_workers_from_env"]
 
 SLOW_WORKER_ENV = "KERAS_DIST_SLOW_WORKER"
 """Environment variable naming the slowed workers: `index:factor[,...]`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultInjection:
+    """The faults a training run injects: today, slowed workers.
+
+    Executors receive one from `fit` and call `slow_down` in their traced
+    steps; with nothing slowed it adds no op at all.
+
+    Attributes:
+        slowed: Dict `{index: factor}` of slowed workers (or replicas).
+
+    Example:
+
+    >>> import tensorflow as tf
+    >>> from keras_dist.testing import FaultInjection
+    >>> faults = FaultInjection({1: 3.0})
+    >>> faults.key
+    ((1, 3.0),)
+    >>> start = tf.timestamp()
+    >>> float(faults.slow_down(1, tf.constant(0.01, tf.float64), start)[0] - start) >= 0.02
+    True
+    """
+
+    slowed: Dict[int, float] = dataclasses.field(default_factory=dict)
+
+    @property
+    def key(self):
+        """A hashable summary, for caching traced functions."""
+        return tuple(sorted(self.slowed.items()))
+
+    def slow_down(self, identity, elapsed, after):
+        """See `slow_down`: control dependencies that sleep when `identity`
+        is slowed (an empty list when nothing is)."""
+        return slow_down(identity, elapsed, after, self.slowed)
+
+
+def faults_from_env(environ=None):
+    """The `FaultInjection` named by the environment (`KERAS_DIST_SLOW_WORKER`).
+
+    Example:
+
+    >>> from keras_dist.testing import faults_from_env
+    >>> faults_from_env({"KERAS_DIST_SLOW_WORKER": "0:2"}).slowed
+    {0: 2.0}
+    """
+    return FaultInjection(slow_workers_from_env(environ))
 
 
 def slow_workers_from_env(environ=None):

@@ -123,22 +123,22 @@ def test_keras_save_load_round_trip(tmp_path, data):
 def test_async_input_errors_are_clear():
     import tensorflow as tf
 
-    from keras_dist.async_loop import _per_worker_input
+    from keras_dist.data import per_worker_input
 
     unknown = tf.data.Dataset.range(10).filter(lambda i: i > 2).map(lambda i: (i, i))
     with pytest.raises(ValueError, match="unknown or infinite length; pass `steps_per_epoch`"):
-        _per_worker_input(None, unknown, None, None, 8, True, None, None)
+        per_worker_input(None, unknown, None, None, batch_size=8, class_weight=None, steps=None)
     with pytest.raises(ValueError, match="dataset_fn.*pass `steps_per_epoch`"):
-        _per_worker_input(None, lambda ctx: unknown, None, None, 8, True, None, None)
+        per_worker_input(None, lambda ctx: unknown, None, None, batch_size=8, class_weight=None, steps=None)
     with pytest.raises(ValueError, match="positive integer. Received: 0"):
-        _per_worker_input(None, np.zeros((4, 2)), np.zeros(4), None, 8, True, None, 0)
+        per_worker_input(None, np.zeros((4, 2)), np.zeros(4), None, batch_size=8, class_weight=None, steps=0)
 
 
 def test_async_input_rejects_weights_beside_a_dataset():
     import tensorflow as tf
 
-    from keras_dist.async_loop import _per_worker_input
+    from keras_dist.data import per_worker_input
 
     dataset = tf.data.Dataset.from_tensor_slices((np.zeros((4, 2)), np.zeros(4))).batch(2)
     with pytest.raises(ValueError, match="`class_weight` must be None when `x` is a tf.data"):
-        _per_worker_input(None, dataset, None, None, 8, True, {0: 1.0}, None)
+        per_worker_input(None, dataset, None, None, batch_size=8, class_weight={0: 1.0}, steps=None)

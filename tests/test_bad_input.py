@@ -85,7 +85,7 @@ CASES = {
                        "apply the correction twice"),
     # AsyncModel and the simulator
     "bad_nonfinite_mode": (lambda: _nonfinite("ignore"), ValueError,
-                           "`nonfinite_updates` must be 'skip' or 'raise'"),
+                           "`nonfinite_updates` must be one of \('skip', 'raise'\). Received: nonfinite_updates='ignore'"),
     "simulate_zero_workers": (lambda: simulate.schedule(0, 10), ValueError,
                               "`workers` must be an integer >= 1"),
     "simulate_bad_straggler": (lambda: simulate.schedule(2, 10, stragglers={5: 2.0}), ValueError,
@@ -113,8 +113,7 @@ def _nonfinite(mode):
     inputs = keras.Input((3,))
     model = kd.AsyncModel(inputs, keras.layers.Dense(1)(inputs))
     model.compile("sgd", "mse")
-    model.nonfinite_updates = mode
-    model.build_async_state((np.ones((2, 3)), np.ones((2, 1))))
+    kd.fit(model, np.ones((2, 3)), np.ones((2, 1)), nonfinite_updates=mode, verbose=0)
 
 
 @pytest.mark.timeout(60)

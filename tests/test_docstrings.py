@@ -19,7 +19,7 @@ import keras_dist
 
 MODULES = (
     "keras_dist",
-    "keras_dist.async_loop",
+    "keras_dist.async_executor",
     "keras_dist.async_model",
     "keras_dist.callbacks",
     "keras_dist.callbacks.backup",
@@ -31,7 +31,10 @@ MODULES = (
     "keras_dist.datasets",
     "keras_dist.fit",
     "keras_dist.launch",
-    "keras_dist.loop",
+    "keras_dist.sync_executor",
+    "keras_dist.driver",
+    "keras_dist.update",
+    "keras_dist.step_report",
     "keras_dist.optimizers",
     "keras_dist.optimizers.base",
     "keras_dist.optimizers.dcasgd",

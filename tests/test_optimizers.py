@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import keras_dist as kd
+from keras_dist.update import UpdateInfo
 from keras_dist.optimizers import DCASGD, DynSGD, GapAware, StalenessLimit, StalenessScaled
 
 LR = 0.1
@@ -32,8 +33,10 @@ def run_wrapper(optimizer, weights, steps):
     variables = [keras.Variable(w) for w in weights]
     for grads, drift, tau in steps:
         pulled = [v.numpy() - d for v, d in zip(variables, drift)]
-        optimizer.set_pending(tau, [keras.ops.convert_to_tensor(p) for p in pulled])
-        optimizer.apply([keras.ops.convert_to_tensor(g) for g in grads], variables)
+        info = UpdateInfo(staleness=tau,
+                          pulled=[keras.ops.convert_to_tensor(p) for p in pulled])
+        optimizer.apply([keras.ops.convert_to_tensor(g) for g in grads], variables,
+                        update=info)
     return [v.numpy() for v in variables]
 
 
@@ -141,8 +144,9 @@ INNERS = {
 }
 WRAPPERS = {
     "dynsgd": DynSGD, "staleness_scaled": StalenessScaled, "dcasgd": DCASGD,
-    "dcasgd_adaptive": lambda inner: DCASGD(inner, mode="adaptive"),
-    "gap_aware": GapAware, "limit": lambda inner: StalenessLimit(inner, max_staleness=0),
+    "dcasgd_adaptive": lambda inner, **kw: DCASGD(inner, mode="adaptive", **kw),
+    "gap_aware": GapAware,
+    "limit": lambda inner, **kw: StalenessLimit(inner, max_staleness=0, **kw),
 }
 
 
@@ -158,8 +162,8 @@ def test_zero_staleness_is_exactly_the_inner_optimizer(wrapper, inner):
     for _ in range(4):
         grads = [keras.ops.convert_to_tensor(rng.normal(size=s).astype("float32"))
                  for s in SHAPES]
-        wrapped.set_pending(0, [keras.ops.convert_to_tensor(v.numpy()) for v in a])
-        wrapped.apply(grads, a)
+        wrapped.apply(grads, a, update=UpdateInfo(
+            0, [keras.ops.convert_to_tensor(v.numpy()) for v in a]))
         bare.apply(grads, b)
     for x, y in zip(a, b):
         np.testing.assert_array_equal(x.numpy(), y.numpy())
@@ -245,3 +249,35 @@ def test_keras_save_load_then_training_continues(tmp_path, wrapper):
 def test_bad_input(make, error, message):
     with pytest.raises(error, match=message):
         make()
+
+
+@pytest.mark.parametrize("wrapper", sorted(WRAPPERS))
+@pytest.mark.parametrize("argument", ["clipnorm", "clipvalue", "global_clipnorm", "use_ema",
+                                      "weight_decay", "gradient_accumulation_steps"])
+def test_base_optimizer_arguments_are_refused_not_dropped(wrapper, argument):
+    """They belong to the inner optimizer, which applies the update."""
+    with pytest.raises(ValueError, match=f"does not take base-optimizer arguments.*{argument}="):
+        WRAPPERS[wrapper](keras.optimizers.SGD(0.1), **{argument: 1})
+
+
+def test_inner_clipping_is_applied_through_a_wrapper():
+    """clipnorm on the inner optimizer clips what the wrapper hands it."""
+    weights = [np.zeros((3,), "float32")]
+    grads = [keras.ops.convert_to_tensor(np.array([3.0, 4.0, 0.0], "float32"))]
+    clipped = kd.optimizers.DynSGD(keras.optimizers.SGD(1.0, clipnorm=1.0))
+    variables = [keras.Variable(w) for w in weights]
+    clipped.apply(grads, variables, update=UpdateInfo(staleness=1))
+    # DynSGD halves the gradient (tau=1): norm 2.5, clipped to 1.
+    np.testing.assert_allclose(variables[0].numpy(), [-0.6, -0.8, 0.0], rtol=1e-6)
+
+
+def test_explicit_update_wins_over_the_provided_one():
+    from keras_dist.update import providing
+
+    opt = kd.optimizers.DynSGD(keras.optimizers.SGD(1.0))
+    variables = [keras.Variable(np.zeros((1,), "float32"))]
+    grad = [keras.ops.convert_to_tensor(np.ones((1,), "float32"))]
+    with providing(UpdateInfo(staleness=9)):
+        opt.apply(grad, variables)                                 # 1 / (9 + 1)
+        opt.apply(grad, variables, update=UpdateInfo(staleness=0))  # 1 / (0 + 1)
+    np.testing.assert_allclose(variables[0].numpy(), [-1.1], rtol=1e-6)

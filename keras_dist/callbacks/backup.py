@@ -139,7 +139,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 f"BackupAndRestore: the checkpoint {checkpoint['path']!r} (epoch "
                 f"{checkpoint['epoch']}) does not fit this model: {error}. Was "
                 "backup_dir used by another model? Delete it to start afresh.") from error
-        counter = getattr(model, "_kd_version", None)
+        counter = getattr(model, "version_counter", None)
         if counter is not None and checkpoint.get("version") is not None:
             counter.variable.assign(checkpoint["version"])
         self.restored_epoch = checkpoint["epoch"]
@@ -161,7 +161,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         staging = tempfile.mkdtemp(prefix=".writing-", dir=parent)
         try:
             self.model.save_weights(os.path.join(staging, _WEIGHTS))
-            counter = getattr(self.model, "_kd_version", None)
+            counter = getattr(self.model, "version_counter", None)
             state = {"epoch": epoch,
                      "version": None if counter is None else counter.value}
             _write_json(os.path.join(staging, _STATE), state)

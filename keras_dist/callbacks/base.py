@@ -62,6 +62,13 @@ class ReplicaStep:
     loss: float = math.nan
     staleness: Tuple[int, ...] = ()
 
+    @classmethod
+    def from_report(cls, report, prefix, steps):
+        """From a `keras_dist.step_report.StepReport`; `prefix` is
+        `"worker"` or `"replica"`."""
+        return cls(replica=f"{prefix}{report.worker}", steps=steps, seconds=report.seconds,
+                   examples=report.examples, loss=report.loss, staleness=report.staleness)
+
 
 class ReplicaCallback(keras.callbacks.Callback):
     """Base class for callbacks that look at each replica or worker.
@@ -145,6 +152,15 @@ def replica_callbacks(callbacks):
     """The `ReplicaCallback`s in a `CallbackList` or list (may be empty)."""
     items = getattr(callbacks, "callbacks", callbacks) or []
     return [cb for cb in items if isinstance(cb, ReplicaCallback)]
+
+
+def bind_cluster(callbacks, is_chief):
+    """Tells the callbacks that report on the chief only whether this is it
+    (from the cluster `fit` was given, not the environment)."""
+    items = getattr(callbacks, "callbacks", callbacks) or []
+    for callback in items:
+        if hasattr(callback, "_chief"):
+            callback._chief = bool(is_chief)
 
 
 def feed(callbacks, batch, steps):

@@ -6,18 +6,31 @@ wrapper) and forwards everything to it, in the manner of Keras'
 the staleness tau of the update and, for the wrappers that need it, the exact
 weights the worker read for this gradient ("pulled" weights).
 
-`AsyncModel` passes both in: it calls `set_pending(tau, pulled)` on the
-staleness-aware optimizer of the chain just before applying the update, so
-the wrapper works whether it is the outermost optimizer or sits inside a
-`LossScaleOptimizer` (mixed precision). Outside asynchronous training the
-staleness is unknown: the wrapper warns once and behaves exactly as its
-inner optimizer.
+The asynchronous executor passes both in as data of the update, a
+`keras_dist.update.UpdateInfo`: as `apply(grads, variables, update=info)`
+when the wrapper is the outermost optimizer, or through
+`keras_dist.update.providing(info)` when a `LossScaleOptimizer` (mixed
+precision), which does not forward extra arguments, sits outside it. A
+wrapper hands the same `update` explicitly to a wrapper inside it. Outside
+asynchronous training the staleness is unknown: the wrapper warns once and
+behaves exactly as its inner optimizer.
+
+Base-optimizer arguments (`clipnorm`, `use_ema`, `weight_decay`, ...)
+belong to the inner optimizer, which applies the update; a wrapper refuses
+them with an error that says so, as Keras' `LossScaleOptimizer` does.
 """
 
 import warnings
 
 import keras
 import tensorflow as tf
+
+from keras_dist import update as update_lib
+
+BASE_OPTIMIZER_ARGUMENTS = (
+    "learning_rate", "weight_decay", "clipnorm", "clipvalue", "global_clipnorm",
+    "use_ema", "ema_momentum", "ema_overwrite_frequency", "loss_scale_factor",
+    "gradient_accumulation_steps")
 
 
 class StalenessAwareOptimizer(keras.optimizers.Optimizer):
@@ -30,6 +43,8 @@ class StalenessAwareOptimizer(keras.optimizers.Optimizer):
 
     Args:
         inner_optimizer: A `keras.optimizers.Optimizer` (or another wrapper).
+            It applies the transformed update, with its own clipping, EMA,
+            weight decay and gradient accumulation.
         name: String. Defaults to the class name in snake case.
 
     Example:
@@ -41,6 +56,8 @@ class StalenessAwareOptimizer(keras.optimizers.Optimizer):
 
     Raises:
         TypeError: if `inner_optimizer` is not a Keras optimizer.
+        ValueError: for a base-optimizer argument (`clipnorm`, `use_ema`,
+            ...): pass it to the inner optimizer.
     """
 
     needs_pulled_weights = False
@@ -50,6 +67,17 @@ class StalenessAwareOptimizer(keras.optimizers.Optimizer):
     """Wrappers of one family (e.g. "scaling") must not be nested in each other."""
 
     def __init__(self, inner_optimizer, name=None, **kwargs):
+        given = sorted(k for k in kwargs if k in BASE_OPTIMIZER_ARGUMENTS)
+        if given:
+            received = ", ".join(f"{k}={kwargs[k]!r}" for k in given)
+            raise ValueError(
+                f"{type(self).__name__} does not take base-optimizer arguments; the "
+                "inner optimizer applies the update. Pass them to it instead, e.g. "
+                f"{type(self).__name__}(keras.optimizers.SGD(0.01, {given[0]}=...)). "
+                f"Received: {received}.")
+        if kwargs:
+            raise TypeError(
+                f"{type(self).__name__} got unexpected arguments: {sorted(kwargs)}.")
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
             raise TypeError(
                 f"{type(self).__name__} wraps a Keras optimizer, e.g. "
@@ -72,9 +100,8 @@ class StalenessAwareOptimizer(keras.optimizers.Optimizer):
                 f"{type(self).__name__}(...): Keras' compile adds the LossScaleOptimizer "
                 "outside it (inside, the loss would be scaled twice, and DCASGD / "
                 "GapAware would see scaled gradients).")
-        super().__init__(learning_rate=0.0, name=name, **kwargs)
+        super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = inner_optimizer
-        self._pending = None
         self._warned = False
 
     # ------------------------------------------------------------ forwarding
@@ -107,17 +134,25 @@ class StalenessAwareOptimizer(keras.optimizers.Optimizer):
         self.inner_optimizer.finalize_variable_values(var_list)
 
     # ------------------------------------------------------------ the update
-    def set_pending(self, staleness, pulled=None):
-        """Staleness (and pulled weights) of the update about to be applied."""
-        self._pending = (staleness, pulled)
+    def apply(self, grads, trainable_variables=None, update=None):
+        """Transforms `grads` by the update's staleness, then applies them
+        with the inner optimizer.
 
-    def apply(self, grads, trainable_variables=None):
+        Args:
+            grads: List of gradient tensors.
+            trainable_variables: List of variables, or `None` for those the
+                optimizer was built with.
+            update: `keras_dist.update.UpdateInfo` or `None` for the one
+                provided by the executor (`keras_dist.update.providing`);
+                none at all outside asynchronous training.
+        """
         if not self.built:
             with tf.name_scope(self.name):
                 self.build(trainable_variables)
             self.built = True
-        pending, self._pending = self._pending, None
-        if pending is None:
+        if update is None:
+            update = update_lib.current_update()
+        if update is None:
             if not self._warned:
                 warnings.warn(
                     f"{type(self).__name__}: the staleness of this update is unknown "
@@ -126,18 +161,23 @@ class StalenessAwareOptimizer(keras.optimizers.Optimizer):
                     stacklevel=2)
                 self._warned = True
             return self.inner_optimizer.apply(grads, trainable_variables)
-        staleness, pulled = pending
-        staleness = tf.cast(staleness, tf.float32)
+        staleness = tf.cast(update.staleness, tf.float32)
         variables = trainable_variables or self._trainable_variables
-        new_grads, keep = self.transform(list(grads), list(variables), staleness, pulled)
+        new_grads, keep = self.transform(list(grads), list(variables), staleness,
+                                         update.pulled)
         inner = self.inner_optimizer
-        if isinstance(inner, StalenessAwareOptimizer):
-            inner.set_pending(pending[0], pulled)
+
+        def apply_inner(grads, variables):
+            if isinstance(inner, StalenessAwareOptimizer):
+                inner.apply(grads, variables, update=update)
+            else:
+                inner.apply(grads, variables)
+
         if keep is None:
-            return inner.apply(new_grads, trainable_variables)
-        apply_if(keep, inner, new_grads, trainable_variables, lambda: _dropped(self))
-        if isinstance(inner, StalenessAwareOptimizer):
-            inner._pending = None  # a dropped update leaves nothing pending
+            apply_inner(new_grads, trainable_variables)
+            return None
+        update_lib.apply_if(keep, apply_inner, new_grads, trainable_variables,
+                            lambda: _dropped(self))
         return None
 
     def transform(self, grads, variables, staleness, pulled):
@@ -197,18 +237,7 @@ class StalenessAwareOptimizer(keras.optimizers.Optimizer):
         return cls(inner, **config)
 
 
-def scale_gradients(grads, scale):
-    """Multiplies dense and sparse (`IndexedSlices`) gradients by `scale`."""
-    out = []
-    for g in grads:
-        if g is None:
-            out.append(None)
-        elif isinstance(g, tf.IndexedSlices):
-            out.append(tf.IndexedSlices(g.values * tf.cast(scale, g.values.dtype),
-                                        g.indices, g.dense_shape))
-        else:
-            out.append(g * tf.cast(scale, g.dtype))
-    return out
+scale_gradients = update_lib.scale_gradients
 
 
 def staleness_aware_in(optimizer):
@@ -219,42 +248,7 @@ def staleness_aware_in(optimizer):
     return None
 
 
-def _chain(optimizer):
-    while optimizer is not None:
-        yield optimizer
-        optimizer = getattr(optimizer, "inner_optimizer", None)
-
-
-def apply_if(keep, optimizer, grads, variables, on_skip):
-    """Applies `grads` with `optimizer` when the bool tensor `keep` is true,
-    else runs `on_skip` (which returns a bool tensor).
-
-    An optimizer's apply synchronizes through `merge_call`, which may not sit
-    inside a `cond` in replica context; under a strategy the decision is
-    therefore taken in cross-replica context (the construction Keras'
-    `LossScaleOptimizer` uses).
-    """
-    context = tf.distribute.get_replica_context()
-    if not tf.distribute.has_strategy() or context is None:
-        tf.cond(keep, lambda: _applied(optimizer, grads, variables), on_skip)
-        return
-
-    def decide(distribution, keep, grads, variables):
-        keep = distribution.experimental_local_results(keep)[0]
-
-        def apply_fn():
-            distribution.extended.call_for_each_replica(
-                _applied, args=(optimizer, grads, variables))
-            return tf.constant(True)
-
-        return tf.cond(keep, apply_fn, on_skip)
-
-    context.merge_call(decide, args=(keep, grads, variables))
-
-
-def _applied(inner, grads, variables):
-    inner.apply(grads, variables)
-    return tf.constant(True)
+_chain = update_lib.optimizer_chain
 
 
 def _dropped(wrapper):

@@ -1,0 +1,363 @@
+"""The asynchronous executor: the model's `train_step` on parameter servers.
+
+Keras 3 has no parameter-server support (keras-team/keras#18624). This
+executor drives the model's own `train_step` -- Keras' or a user's override --
+through TF's public `tf.distribute.coordinator.ClusterCoordinator`: each
+scheduled closure runs `steps_per_execution` steps on whichever worker is
+free, and each step's update is applied on the parameter servers without
+waiting for anyone. The driver (`keras_dist.driver`) keeps Keras' callbacks,
+progress bar and `History`; batch-level hooks fire as the closures' results
+come back (`on_train_batch_begin` when a closure is scheduled,
+`on_train_batch_end` when its result arrives, in order).
+
+Around each `train_step` the executor adds, explicitly:
+
+- the parameter version, read before the forward pass (every op of the step
+  waits for it) and claimed when the step's update is applied, so each
+  update knows its staleness tau;
+- the update: the step's call of `optimizer.apply` is captured and applied
+  once the step returns, with tau, the pulled weights and the worker handed
+  to staleness-aware optimizers as data (`keras_dist.update.UpdateInfo`),
+  under the non-finite policy (`keras_dist.update.NonFinitePolicy`);
+- exact metrics under concurrency: Keras' `Variable.assign_add` is a read
+  then a write, which loses updates when workers race on the parameter
+  servers. The step runs in a `keras.StatelessScope` in which every metric
+  variable starts from zero; what the step added is then added to the real
+  state with TF's atomic `assign_add`. This is exact for any metric whose
+  state is additive (sums and counts: every Keras built-in metric). Other
+  state the step writes (BatchNormalization statistics, seed generators)
+  is assigned after the step: last write wins.
+
+Validation runs on the chief, reading the current weights from the
+parameter servers.
+"""
+
+import collections
+import logging
+
+import keras
+import tensorflow as tf
+
+from keras_dist import data as data_lib
+from keras_dist import driver
+from keras_dist import step_report
+from keras_dist import update
+from keras_dist.callbacks import base as replica_cbs
+from keras_dist.optimizers.base import StalenessAwareOptimizer, staleness_aware_in
+from keras_dist.staleness import StalenessStats, StepRecord, VersionCounter
+from keras_dist.sync_executor import SyncExecutor, quiet_tf_logger
+
+logger = logging.getLogger("keras_dist")
+
+WINDOW_PER_WORKER = 16
+"""Closures scheduled ahead per worker while the chief waits on the oldest."""
+
+_LOST = (tf.errors.UnavailableError,)  # seen when a worker is cut off (test_multihost)
+
+
+class AsyncExecutor:
+    """Runs the model's `train_step` asynchronously on a parameter-server cluster.
+
+    Args:
+        model: A compiled `keras.Model` created in `strategy`'s scope.
+        strategy: A `tf.distribute.ParameterServerStrategy`.
+        nonfinite_updates: String. `"skip"` (count) or `"raise"`. Defaults
+            to `"skip"`.
+        faults: `keras_dist.testing.FaultInjection` or `None`.
+        cluster: `keras_dist.ClusterConfig` or `None` (a single process).
+            Who reports (the chief) and how many workers there are come
+            from it, as `keras_dist.fit` passed it down.
+
+    `steps_per_epoch` counts updates from all workers together; for arrays
+    it defaults to one pass over the data (`ceil(samples / batch_size)`).
+    After `fit`, `model.staleness_stats` holds the last epoch's records and
+    `model.version_counter` the parameter version.
+    """
+
+    parameter_server = True
+
+    def __init__(self, model, strategy, nonfinite_updates="skip", faults=None, cluster=None):
+        self.model, self.strategy = model, strategy
+        self.policy_mode = update.NonFinitePolicy(nonfinite_updates).mode
+        self.faults = faults
+        self.cluster = cluster
+        self.is_chief = cluster is None or cluster.is_chief
+        self.ran_out = False
+        self.coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        self._evaluator = SyncExecutor(model, tf.distribute.get_strategy(), cluster=cluster)
+        self.stats = StalenessStats()
+
+    # ------------------------------------------------------------------ data
+    def train_input(self, x, y, sample_weight, *, batch_size, shuffle, class_weight, steps):
+        return data_lib.per_worker_input(self.strategy, x, y, sample_weight, batch_size=batch_size,
+                                         shuffle=shuffle, class_weight=class_weight, steps=steps)
+
+    def eval_input(self, x, y, sample_weight, *, batch_size, steps, what="x"):
+        return self._evaluator.eval_input(x, y, sample_weight, batch_size=batch_size,
+                                          steps=steps, what=what)
+
+    def evaluate(self, eval_input, callbacks):
+        return self._evaluator.evaluate(eval_input, callbacks)
+
+    # -------------------------------------------------------------- training
+    def begin_training(self, train_input, callbacks):
+        self.state = _AsyncState.of(self.model, self.strategy, self.policy_mode)
+        self.state.build(train_input.sample)
+        self._aware = staleness_aware_in(self.model.optimizer)
+        self._iterator = iter(self.coordinator.create_per_worker_dataset(train_input.dataset))
+        self._per_call = max(1, int(getattr(self.model, "steps_per_execution", 1) or 1))
+        self.model.staleness_stats = self.stats
+        self._report_skips = False
+        workers = len(self.cluster.cluster.get("worker", ())) if self.cluster else 4
+        self._window = WINDOW_PER_WORKER * max(1, workers)
+
+    def begin_epoch(self):
+        self.stats.reset()
+        if self._aware is not None:
+            self._aware.reset_staleness_logs()
+        self._skipped_before = self.state.policy.skipped
+
+    def train_epoch(self, train_input):
+        steps, per_call = train_input.steps, self._per_call
+        pending = collections.deque()
+        scheduled = 0
+        while scheduled < steps or pending:
+            while scheduled < steps and len(pending) < self._window:
+                k = min(per_call, steps - scheduled)
+                yield driver.BatchBegin(scheduled)
+                fn = self.state.step_function(k, self.faults)
+                with update.intercept_apply(self.model.optimizer):  # traced on first use
+                    remote = self.coordinator.schedule(fn, args=(self._iterator,))
+                pending.append((scheduled + k - 1, k, remote))
+                scheduled += k
+            end, k, remote = pending.popleft()
+            try:
+                value = remote.fetch()
+            except _LOST as error:
+                # The step ran (its update is on the parameter servers) but
+                # the worker holding its result became unreachable before
+                # the chief copied it: only its numbers are lost.
+                self.stats.lost_results += 1
+                logger.warning("keras_dist: the result of steps %d-%d was lost with an "
+                               "unreachable worker (%s); its update was applied, its "
+                               "logs are not counted.", end - k + 1, end,
+                               type(error).__name__)
+                continue
+            report = step_report.unpack(value, self.state.log_names[k])
+            self.stats.add(StepRecord(worker=report.worker, staleness=list(report.staleness),
+                                      seconds=report.seconds))
+            step = replica_cbs.ReplicaStep.from_report(report, "worker", steps=k)
+            yield driver.BatchEnd(end, report.logs, [step])
+            if self.model.stop_training:
+                break
+        with quiet_tf_logger("WARNING"):  # join() logs at INFO on every call
+            self.coordinator.join()
+
+    def epoch_logs(self, last_logs):
+        logs = driver.metrics_or_logs(self.model, last_logs)
+        logs.update(self.stats.logs())
+        skipped = self.state.policy.skipped - self._skipped_before
+        self._report_skips = self._report_skips or skipped > 0
+        if self._report_skips:
+            logs["skipped_nonfinite"] = skipped
+        if self._aware is not None:
+            logs.update(self._aware.staleness_logs())
+        return logs
+
+    def end_training(self):
+        pass
+
+
+class _AsyncState:
+    """What asynchronous training keeps on a model between `fit` calls: the
+    version counter, the skip counter and the compiled step functions."""
+
+    @classmethod
+    def of(cls, model, strategy, mode):
+        state = model.__dict__.get("_kd_async_state")
+        if state is None or state.strategy is not strategy or state.policy.mode != mode:
+            state = cls(model, strategy, mode)
+            # In __dict__ so Keras' attribute tracking leaves it alone.
+            model.__dict__["_kd_async_state"] = state
+        return state
+
+    def __init__(self, model, strategy, mode):
+        self.model, self.strategy = model, strategy
+        with strategy.scope():
+            counter = getattr(model, "version_counter", None)
+            self.version = counter if counter is not None else VersionCounter()
+            self.policy = update.NonFinitePolicy(mode).build()
+        model.__dict__["version_counter"] = self.version
+        self._functions = {}
+        self.log_names = {}
+
+    def build(self, sample_batch):
+        """Creates optimizer and metric state before training (variables
+        cannot be created inside the scheduled functions)."""
+        driver.build_for_training(self.model, self.strategy, sample_batch)
+        sharded = [w.path for w in self.model.trainable_weights if _sharded(w)]
+        if sharded:
+            raise ValueError(
+                f"Variables {sharded} were split into shards by the strategy's "
+                "variable_partitioner, but Keras 3's optimizer cannot update a "
+                "sharded variable (its update asks TF to colocate with the "
+                "ShardedVariable: \"ShardedVariable doesn't support being used "
+                "as a reference\"). Build the strategy without "
+                "variable_partitioner (the variables are then placed whole, "
+                "round-robin over the parameter servers).")
+
+    def step_function(self, k, faults):
+        """The `tf.function` running `k` steps on a worker; cached (like
+        Keras' `train_function`) so later epochs and `fit` calls do not
+        retrace. Keyed by the optimizer too: a new compile() must not reuse
+        a function that captured the old optimizer."""
+        key = (id(self.model.optimizer), k, faults.key if faults else ())
+        if key not in self._functions:
+            strategy = self.strategy
+
+            @tf.function
+            def run_steps(iterator):
+                # Batches are taken outside strategy.run: a distributed
+                # dataset_fn's iterator refuses next() inside the replica fn.
+                batches = [next(iterator) for _ in range(k)]
+                return strategy.run(lambda *b: self._replica_steps(b, k, faults),
+                                    args=tuple(batches))
+
+            self._functions[key] = run_steps
+        return self._functions[key]
+
+    # ------------------------------------------------------ on the worker
+    def _replica_steps(self, batches, k, faults):
+        model = self.model
+        worker = tf.distribute.coordinator.experimental_get_current_worker_index()
+        with tf.control_dependencies([t for t in tf.nest.flatten(batches[0]) if t is not None]):
+            start = tf.timestamp()
+        taus, writes, step_logs = [], [], {}
+        loss_sum = loss_count = examples = tf.constant(0.0, tf.float64)
+        for data in batches:
+            with tf.control_dependencies([start] + taus):
+                tau, step_writes, step_logs, loss = self._one_step(data, worker, start, faults)
+            taus.append(tau)
+            writes += step_writes
+            loss_sum += loss[0]
+            loss_count += loss[1]
+            examples += step_report.batch_examples(data)
+        with tf.control_dependencies(writes + taus):
+            results = model.get_metrics_result()
+            seconds = tf.timestamp() - start
+        logs = {name: results[name] if name in results else value
+                for name, value in driver.flatten_logs(step_logs).items()}
+        logs = {name: value for name, value in logs.items() if _is_scalar(value)}
+        names = sorted(logs)
+        self.log_names[k] = names
+        return step_report.pack(worker, seconds, examples, loss_sum, loss_count, taus,
+                                logs, names)
+
+    def _one_step(self, data, worker, start, faults):
+        """`model.train_step(data)` with the version read before it and the
+        update claimed and applied after it; returns `(tau, state writes,
+        the step's logs, (loss sum, loss count))`."""
+        model, optimizer = self.model, self.model.optimizer
+        read = self.version.read()
+        pulled = None
+        after_read = [read]
+        if _needs_pulled(optimizer):
+            # The weights this gradient is computed on, for DC-ASGD / Gap-Aware:
+            # read right after the version and before the forward pass's reads.
+            with tf.control_dependencies([read]):
+                pulled = [tf.identity(w.value.read_value()) for w in model.trainable_weights]
+            after_read = pulled
+        metric_vars = _metric_variables(model)
+        zeros = [tf.zeros(v.shape, v.dtype) for v in metric_vars]
+        captured = []
+
+        def capture(original, grads, variables):
+            captured.append((original, grads, variables))
+
+        with tf.control_dependencies(after_read):  # every op of the step waits for it
+            with keras.StatelessScope(list(zip(metric_vars, zeros)),
+                                      collect_losses=True) as scope:
+                with update.apply_hook(capture):
+                    step_logs = model.train_step(data)
+        if len(captured) != 1:
+            raise ValueError(
+                f"Under parameter servers, {type(model).__name__}.train_step must apply "
+                "its update with `self.optimizer.apply(...)` (or `apply_gradients`) "
+                f"exactly once per step; it called it {len(captured)} times. keras_dist "
+                "claims the parameter version and applies the update there.")
+        original, grads, variables = captured[0]
+        grads = list(grads)
+        ready = [t for t in tf.nest.flatten(grads, expand_composites=True) if t is not None]
+        if faults and faults.slowed:
+            with tf.control_dependencies(ready):
+                now = tf.timestamp()
+            ready = faults.slow_down(worker, now - start, now) or ready
+            with tf.control_dependencies(ready):
+                grads = update.identity_all(grads)
+        with tf.control_dependencies(ready):
+            tau = self.version.increment() - 1 - read
+        info = update.UpdateInfo(staleness=tau, pulled=pulled, worker=worker)
+
+        def apply_fn(grads, variables):
+            if isinstance(optimizer, StalenessAwareOptimizer):
+                original(grads, variables, update=info)
+                return
+            with update.providing(info):  # through a LossScaleOptimizer
+                original(grads, variables)
+
+        if update.skips_itself(optimizer):
+            apply_fn(grads, variables)
+        else:
+            self.policy.apply(apply_fn, grads, variables)
+
+        writes = []
+        loss = (tf.constant(0.0, tf.float64), tf.constant(0.0, tf.float64))
+        for v, zero in zip(metric_vars, zeros):
+            delta = scope.get_current_value(v)
+            if delta is not zero:
+                writes.append(v.value.assign_add(delta))
+        tracker = _loss_tracker(model)
+        if tracker is not None:
+            total, count = (scope.get_current_value(v) for v in tracker)
+            loss = (tf.cast(total, tf.float64), tf.cast(count, tf.float64))
+        metric_ids = {id(v) for v in metric_vars}
+        for v in model.variables:
+            new = scope.get_current_value(v)
+            if new is not None and id(v) not in metric_ids:
+                writes.append(v.value.assign(new))  # last write wins
+        return tau, writes, step_logs, loss
+
+
+def _metric_variables(model):
+    seen, out = set(), []
+    for metric in model.metrics:
+        for v in metric.variables:
+            if id(v) not in seen:
+                seen.add(id(v))
+                out.append(v)
+    return out
+
+
+def _loss_tracker(model):
+    for metric in model.metrics:
+        if metric.name == "loss":
+            values = {v.name: v for v in metric.variables}
+            if "total" in values and "count" in values:
+                return values["total"], values["count"]
+    return None
+
+
+def _is_scalar(value):
+    return tf.is_tensor(value) and value.shape.rank == 0 or isinstance(value, (int, float))
+
+
+def _needs_pulled(optimizer):
+    for candidate in update.optimizer_chain(optimizer):
+        if isinstance(candidate, StalenessAwareOptimizer) and candidate.needs_pulled_weights:
+            return True
+    return False
+
+
+def _sharded(variable):
+    """Whether TF's partitioner split this Keras variable into shards."""
+    return isinstance(getattr(variable.value, "variables", None), (list, tuple))

@@ -1,0 +1,222 @@
+"""The epoch driver: `keras.Model.fit`'s contract, for every executor.
+
+Where Keras' own `model.fit` works (one device) keras_dist calls it. Where it
+does not -- several synchronous replicas, parameter servers -- this driver
+owns what `fit` promises: callbacks with the progress bar and `History`,
+validation (`validation_split`, `validation_data`, `validation_freq`),
+`initial_epoch` (and a restoring `BackupAndRestore`), `stop_training`, and
+the optimizer's `finalize_variable_values` at the end (EMA weights). It
+asks an executor for the steps:
+
+- `keras_dist.sync_executor.SyncExecutor`: `strategy.run(model.train_step)`
+  plus the gradient all-reduce (Mirrored, MultiWorkerMirrored);
+- `keras_dist.async_executor.AsyncExecutor`: closures of the model's
+  `train_step` scheduled through `ClusterCoordinator` (parameter servers).
+
+An executor has `train_input(...)` / `eval_input(...)` (returning an object
+with `.steps`), `begin_training(train_input, callbacks)`,
+`begin_epoch()`, `train_epoch(train_input)` yielding
+`BatchBegin(batch)` / `BatchEnd(batch, logs, replica_steps)`; the model is
+`executor.model`, `ran_out`,
+`epoch_logs(last_logs)`, `evaluate(eval_input, callbacks)` and
+`end_training()`; the layering follows Keras' own (`trainer.py` for the
+contract, `epoch_iterator.py` for the data, the backend trainer for one
+step).
+"""
+
+import dataclasses
+import warnings
+from typing import Any, List, Optional
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_dist import data as data_lib
+from keras_dist.callbacks import base as replica_cbs
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchBegin:
+    """An execution is about to run (or was scheduled) at `batch`."""
+
+    batch: int
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchEnd:
+    """An execution ending at `batch` is done; `logs` are Keras' batch logs."""
+
+    batch: int
+    logs: dict
+    replica_steps: Optional[List[Any]] = None
+
+
+def resolve_verbose(verbose, parameter_server):
+    """Keras' rule: "auto" is 1, or 2 under parameter servers (one line per
+    epoch: batch results arrive from many workers out of step)."""
+    if verbose == "auto":
+        return 2 if parameter_server else 1
+    return verbose
+
+
+def fit(executor, x=None, y=None, *, batch_size=None, epochs=1,
+        verbose="auto", callbacks=None, validation_split=0.0,
+        validation_data=None, shuffle=True, class_weight=None,
+        sample_weight=None, initial_epoch=0, steps_per_epoch=None,
+        validation_steps=None, validation_batch_size=None,
+        validation_freq=1):
+    """Trains `executor.model`; `keras.Model.fit`'s arguments and result.
+
+    The model must have been built and compiled inside the executor's
+    strategy scope. Returns the `keras.callbacks.History`.
+    """
+    model = executor.model
+    verbose = resolve_verbose(verbose, executor.parameter_server)
+    data_lib.check_validation_freq(validation_freq)
+    if validation_split and validation_data is None:
+        if isinstance(x, tf.data.Dataset) or data_lib.is_dataset_fn(x):
+            raise ValueError(
+                "`validation_split` is only supported for array inputs. Pass "
+                "`validation_data` instead.")
+        (x, y, sample_weight), validation_data = data_lib.split_validation(
+            (x, y, sample_weight), validation_split)
+    train = executor.train_input(
+        x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
+        class_weight=class_weight, steps=steps_per_epoch)
+    val = None
+    if validation_data is not None:
+        vx, vy, vsw = data_lib.unpack_validation(validation_data)
+        val = executor.eval_input(vx, vy, vsw, batch_size=validation_batch_size or batch_size,
+                                  steps=validation_steps, what="validation_data")
+
+    if not isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks = keras.callbacks.CallbackList(
+            callbacks, add_history=True, add_progbar=verbose != 0,
+            verbose=verbose, epochs=epochs, steps=train.steps, model=model)
+    watchers = replica_cbs.replica_callbacks(callbacks)
+    replica_cbs.bind_cluster(callbacks, is_chief=executor.is_chief)
+    executor.begin_training(train, callbacks)
+
+    model.stop_training = False
+    callbacks.on_train_begin()
+    # Set by a restoring callback (BackupAndRestore), as Keras' own loop reads it.
+    initial_epoch = getattr(model, "_initial_epoch", None) or initial_epoch
+    logs, epoch_logs, training_logs = {}, {}, None
+    for epoch in range(initial_epoch, epochs):
+        model.reset_metrics()
+        executor.begin_epoch()
+        callbacks.on_epoch_begin(epoch)
+        for event in executor.train_epoch(train):
+            if isinstance(event, BatchBegin):
+                callbacks.on_train_batch_begin(event.batch)
+                continue
+            logs = event.logs
+            if event.replica_steps:
+                replica_cbs.feed(watchers, event.batch, event.replica_steps)
+            callbacks.on_train_batch_end(event.batch, logs)
+            if model.stop_training:
+                break
+        if executor.ran_out:
+            warnings.warn(
+                "Your input ran out of data; interrupting training. Make sure "
+                "it can generate at least `steps_per_epoch * epochs` batches "
+                f"({train.steps} * {epochs}); use `.repeat()` on a dataset.",
+                stacklevel=2)
+            model.stop_training = True
+        epoch_logs = executor.epoch_logs(logs)
+        replica_cbs.add_replica_logs(watchers, epoch_logs)
+        if val is not None and data_lib.should_eval(epoch, validation_freq):
+            val_logs = executor.evaluate(val, callbacks)
+            epoch_logs.update({"val_" + k: v for k, v in val_logs.items()})
+        callbacks.on_epoch_end(epoch, epoch_logs)
+        training_logs = epoch_logs
+        if model.stop_training:
+            break
+    executor.end_training()
+    if isinstance(model.optimizer, keras.optimizers.Optimizer) and epochs > 0:
+        model.optimizer.finalize_variable_values(model.trainable_weights)
+    callbacks.on_train_end(logs=training_logs)
+    return model.history
+
+
+def evaluate(executor, x=None, y=None, *, batch_size=None,
+             verbose="auto", sample_weight=None, steps=None, callbacks=None,
+             return_dict=False):
+    """Evaluates `executor.model`; `keras.Model.evaluate`'s arguments."""
+    model = executor.model
+    verbose = resolve_verbose(verbose, False)
+    val = executor.eval_input(x, y, sample_weight, batch_size=batch_size, steps=steps)
+    if not isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks = keras.callbacks.CallbackList(
+            callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
+            steps=val.steps, model=model)
+    logs = executor.evaluate(val, callbacks)
+    if return_dict:
+        return logs
+    values = [logs[name] for name in ordered_names(model, logs)]
+    return values[0] if len(values) == 1 else values
+
+
+def build_for_training(model, strategy, sample_batch):
+    """Creates the optimizer's and the metrics' state from one sample batch.
+
+    What Keras' own `fit` does before its first compiled step (its symbolic
+    build): variables cannot be created inside a compiled step function, on
+    parameter servers nor under `tf.distribute` in general. The metrics are
+    reset afterwards.
+    """
+    import keras as keras_lib
+
+    with strategy.scope():
+        x, y, sample_weight = keras_lib.utils.unpack_x_y_sample_weight(sample_batch)
+        y_pred = model(x, training=False)
+        if y is not None:
+            model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
+            model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        if model.optimizer is not None and not model.optimizer.built:
+            model.optimizer.build(model.trainable_variables)
+        model.reset_metrics()
+
+
+def metrics_or_logs(model, logs):
+    """Keras' rule: the model's metrics when the step returned exactly them.
+
+    Reading the metrics in cross-replica context aggregates their state over
+    every replica of every worker (or reads it on the parameter servers).
+    Where a step returned other names too, each returned name that is a
+    metric's still reads the metric (what one device would have returned:
+    a replica's own `result()` covers only its share), and the others keep
+    the step's value. Values come back as Python floats, as in Keras'
+    epoch logs.
+    """
+    metric_logs = model.get_metrics_result()
+    logs = flatten_logs(logs) if isinstance(logs, dict) else {}
+    if set(logs) == set(metric_logs):
+        logs = metric_logs
+    else:  # a step returning some metrics' results and other values
+        logs = {name: metric_logs.get(name, value) for name, value in logs.items()}
+    return {name: pythonify(value) for name, value in logs.items()}
+
+
+def flatten_logs(logs):
+    """Nested dicts of logs (e.g. `{"compile_metrics": {"accuracy": ...}}`, as
+    a `train_step` returning every metric's `result()` gives) flattened into
+    one level, as Keras' own loop does."""
+    flat = {}
+    for name, value in sorted(logs.items()):
+        if isinstance(value, dict):
+            flat.update(flatten_logs(value))
+        else:
+            flat[name] = value
+    return flat
+
+
+def pythonify(value):
+    value = value.numpy() if hasattr(value, "numpy") else value
+    return float(value) if np.ndim(value) == 0 else value
+
+
+def ordered_names(model, logs):
+    first = [m.name for m in model.metrics if m.name in logs]
+    return first + sorted(set(logs) - set(first))

@@ -1,0 +1,99 @@
+"""What one execution of train steps reports: one schema, packed and unpacked here.
+
+Both executors measure, on the replica or worker that ran an execution of
+`steps_per_execution` train steps, the same fields, and send them back as
+one float64 vector (one tensor: a single copy to the chief):
+
+    [logs..., worker, seconds, examples, loss_sum, loss_count, tau_1 ... tau_k]
+
+`logs` are the execution's metric results (asynchronous training only; the
+synchronous executor reduces its logs the Keras way). `loss_sum` and
+`loss_count` are this execution's additions to Keras' loss tracker (the
+"loss" metric), so the execution's mean loss is their ratio. The taus are
+the staleness of each update (asynchronous only; none in synchronous
+training).
+"""
+
+import dataclasses
+import math
+from typing import Dict, Sequence, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+FIELDS = ("worker", "seconds", "examples", "loss_sum", "loss_count")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepReport:
+    """One execution's report, as the chief reads it.
+
+    Attributes:
+        worker: Integer. Worker index (asynchronous) or replica index
+            (synchronous, `replica_id_in_sync_group`).
+        seconds: Float. Wall time of the execution on that worker.
+        examples: Integer or `None` when unknown.
+        loss: Float. Mean loss of the execution's examples (NaN if unknown).
+        staleness: Tuple of integers, one tau per update (empty when synchronous).
+        logs: Dict of the execution's metric results (asynchronous only).
+    """
+
+    worker: int
+    seconds: float
+    examples: object
+    loss: float
+    staleness: Tuple[int, ...] = ()
+    logs: Dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+def pack(worker, seconds, examples, loss_sum, loss_count, taus=(), logs=None, names=()):
+    """The float64 vector of one execution (in a traced function).
+
+    Args:
+        worker, seconds, examples, loss_sum, loss_count: Scalar tensors.
+        taus: Sequence of scalar tensors, one per update.
+        logs: Dict of scalar tensors, packed in the order of `names`.
+        names: Sequence of the `logs` keys to pack.
+    """
+    head = [tf.cast(logs[n], tf.float64) for n in names]
+    fields = [tf.cast(v, tf.float64) for v in (worker, seconds, examples, loss_sum, loss_count)]
+    tail = [tf.cast(t, tf.float64) for t in taus]
+    return tf.stack(head + fields + tail)
+
+
+def unpack(vector, names: Sequence[str] = ()) -> StepReport:
+    """The `StepReport` of one packed vector (a tensor or array)."""
+    values = vector.numpy() if hasattr(vector, "numpy") else np.asarray(vector)
+    n = len(names)
+    worker, seconds, examples, loss_sum, loss_count = values[n:n + len(FIELDS)]
+    taus = tuple(int(t) for t in values[n + len(FIELDS):])
+    return StepReport(
+        worker=int(worker), seconds=float(seconds),
+        examples=None if np.isnan(examples) else int(examples),
+        loss=float(loss_sum / loss_count) if loss_count > 0 else math.nan,
+        staleness=taus,
+        logs={name: float(v) for name, v in zip(names, values[:n])})
+
+
+def loss_state(model):
+    """This replica's loss tracker state `(total, count)` as float64 tensors
+    (NaN when the model has no Keras loss tracker)."""
+    for metric in model.metrics:
+        if metric.name == "loss":
+            values = {v.name: v for v in metric.variables}
+            if "total" in values and "count" in values:
+                return (tf.cast(values["total"].value, tf.float64),
+                        tf.cast(values["count"].value, tf.float64))
+    nan = tf.constant(np.nan, tf.float64)
+    return nan, nan
+
+
+def batch_examples(data):
+    """Examples in one batch `(x, y, sample_weight)`: float64 (NaN if unknown)."""
+    import keras
+
+    x = keras.utils.unpack_x_y_sample_weight(data)[0]
+    first = next((t for t in tf.nest.flatten(x) if t is not None), None)
+    if first is None:
+        return tf.constant(np.nan, tf.float64)
+    return tf.cast(tf.shape(first)[0], tf.float64)

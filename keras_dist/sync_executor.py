@@ -1,0 +1,292 @@
+"""The synchronous executor: the model's `train_step` on every replica, in step.
+
+Keras 3's `Model.fit` fails under a multi-worker `MultiWorkerMirroredStrategy`
+in two places of its own loop (keras-team/keras#20585,
+tensorflow/tensorflow#72388): `_maybe_symbolic_build` asks the strategy to
+reduce the whole `(x, y)` batch tuple, and `reduce_per_replica` reduces scalar
+metrics along an axis they do not have. Neither is in `train_step`.
+
+So this executor runs the model's own `train_step` / `test_step` through
+`strategy.run` inside a `tf.function` (`steps_per_execution` steps per call)
+and reduces each returned value with `strategy.reduce("MEAN", value,
+axis=None)`, valid for tensors of any rank; epoch logs come from the metrics
+read in cross-replica context (summed over every replica of every worker).
+The driver (`keras_dist.driver`) owns epochs and callbacks.
+
+Around the optimizer's `apply` (see `keras_dist.update`) each replica's
+update gets Keras' one-device semantics -- clipping on the global gradient,
+an unevenly split batch averaged over the global batch -- and the
+non-finite policy. With `ReplicaCallback`s (or injected slowdowns) each
+replica also measures its compute time before the all-reduce, its examples
+and its loss, reported through `keras_dist.step_report`.
+"""
+
+import contextlib
+
+import numpy as np
+import tensorflow as tf
+
+from keras_dist import data as data_lib
+from keras_dist import driver
+from keras_dist import step_report
+from keras_dist import update
+from keras_dist.callbacks import base as replica_cbs
+
+
+class SyncExecutor:
+    """Runs steps of `model.train_step` under a synchronous strategy.
+
+    Args:
+        model: A `keras.Model` built and compiled in `strategy`'s scope.
+        strategy: A `tf.distribute.Strategy` (Mirrored, MultiWorkerMirrored,
+            or the default strategy).
+        nonfinite_updates: String. `"skip"` (count) or `"raise"`; see
+            `keras_dist.update.NonFinitePolicy`. Defaults to `"skip"`.
+        faults: `keras_dist.testing.FaultInjection` or `None`.
+        cluster: `keras_dist.ClusterConfig` or `None` (a single process).
+            Who reports (the chief) and how many workers there are come
+            from it, as `keras_dist.fit` passed it down.
+
+    Example:
+
+    >>> import numpy as np, keras, tensorflow as tf
+    >>> from keras_dist import driver
+    >>> from keras_dist.sync_executor import SyncExecutor
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> executor = SyncExecutor(model, tf.distribute.get_strategy())
+    >>> history = driver.fit(executor, np.ones((32, 4)), np.ones((32, 1)),
+    ...                      epochs=2, verbose=0)
+    >>> len(history.history["loss"])
+    2
+    """
+
+    parameter_server = False
+
+    def __init__(self, model, strategy, nonfinite_updates="skip", faults=None,
+                 cluster=None):
+        self.model, self.strategy = model, strategy
+        self.policy = update.NonFinitePolicy(nonfinite_updates)
+        self.faults = faults
+        self.cluster = cluster
+        self.is_chief = cluster is None or cluster.is_chief
+        self.ran_out = False
+        self._train_fns = self._eval_fns = None
+        self._iterator = None
+        self._skipped_at_epoch_begin = 0
+        self._report_skips = False
+
+    # ------------------------------------------------------------------ data
+    def train_input(self, x, y, sample_weight, *, batch_size, shuffle, class_weight, steps):
+        return data_lib.distribute(self.strategy, x, y, sample_weight, batch_size=batch_size,
+                                   shuffle=shuffle, class_weight=class_weight, steps=steps)
+
+    def eval_input(self, x, y, sample_weight, *, batch_size, steps, what="x"):
+        return data_lib.distribute(self.strategy, x, y, sample_weight, batch_size=batch_size,
+                                   shuffle=False, steps=steps, what=what)
+
+    # -------------------------------------------------------------- training
+    def begin_training(self, train_input, callbacks):
+        model = self.model
+        _check_supported(model.optimizer, self.strategy)
+        with self.strategy.scope():
+            self.policy.build(replicated=True)
+        if not model.run_eagerly:
+            driver.build_for_training(model, self.strategy, train_input.sample())
+        slowed = bool(self.faults and self.faults.slowed)
+        instrument = bool(replica_cbs.replica_callbacks(callbacks)) or slowed
+        self._train_fns = _StepFunctions(model, self.strategy, self._train_replica_step,
+                                         instrument=instrument, train=True)
+        self._iterator = iter(train_input.dataset) if train_input.repeats else None
+        self._report_skips = False
+
+    def begin_epoch(self):
+        self._skipped_at_epoch_begin = self.policy.skipped
+
+    def train_epoch(self, train_input):
+        if not train_input.repeats:
+            self._iterator = iter(train_input.dataset)
+        self.ran_out = False
+        for event in self._train_fns.steps(self._iterator, train_input.steps):
+            yield event
+        self.ran_out = self._train_fns.ran_out and train_input.repeats
+
+    def epoch_logs(self, last_logs):
+        logs = dict(driver.metrics_or_logs(self.model, last_logs))
+        skipped = self.policy.skipped - self._skipped_at_epoch_begin
+        # Only once something was skipped: a clean run's History is Keras'.
+        self._report_skips = self._report_skips or skipped > 0
+        if self._report_skips:
+            logs["skipped_nonfinite"] = skipped
+        return logs
+
+    def end_training(self):
+        pass
+
+    def evaluate(self, eval_input, callbacks):
+        model = self.model
+        if self._eval_fns is None:
+            if not model.run_eagerly:
+                driver.build_for_training(model, self.strategy, eval_input.sample())
+            self._eval_fns = _StepFunctions(model, self.strategy, model.test_step)
+        model.reset_metrics()
+        callbacks.on_test_begin()
+        logs = {}
+        for event in self._eval_fns.steps(iter(eval_input.dataset), eval_input.steps):
+            if isinstance(event, driver.BatchBegin):
+                callbacks.on_test_batch_begin(event.batch)
+                continue
+            logs = event.logs
+            callbacks.on_test_batch_end(event.batch, logs)
+        logs = driver.metrics_or_logs(model, logs)
+        callbacks.on_test_end(logs)
+        return logs
+
+    # ------------------------------------------------------------- one step
+    def _train_replica_step(self, data, instrument):
+        """`model.train_step(data)` on one replica, with the update hook; with
+        `instrument`, also this replica's packed `step_report`."""
+        model = self.model
+        examples = step_report.batch_examples(data)
+        hook = update.global_gradient_apply(model.optimizer, examples, self.policy)
+        if not instrument:
+            with update.apply_hook(hook):
+                return model.train_step(data)
+        context = tf.distribute.get_replica_context()
+        replica = tf.cast(context.replica_id_in_sync_group, tf.float64)
+        total_before, count_before = step_report.loss_state(model)
+        with tf.control_dependencies([t for t in tf.nest.flatten(data) if t is not None]
+                                     + [total_before, count_before]):
+            start = tf.timestamp()
+        with tf.control_dependencies([start]):  # the forward pass starts after it
+            data = tf.nest.map_structure(lambda t: t if t is None else tf.identity(t), data)
+        marks = []
+        faults = self.faults
+
+        def timed(original, grads, variables):
+            # Compute time ends when this replica's gradients are ready:
+            # before the all-reduce, where every replica waits for the slowest.
+            flat = [t for t in tf.nest.flatten(grads, expand_composites=True) if t is not None]
+            with tf.control_dependencies(flat):
+                ready = tf.timestamp()
+            waits = (faults.slow_down(replica, ready - start, ready) if faults else []) or [ready]
+            marks.append(waits[0])
+            with tf.control_dependencies(waits):
+                grads = update.identity_all(grads)
+            return hook(original, grads, variables)
+
+        with update.apply_hook(timed):
+            logs = model.train_step(data)
+        with tf.control_dependencies(tf.nest.flatten(logs)):
+            end = marks[-1] if marks else tf.timestamp()
+            total, count = step_report.loss_state(model)
+        return logs, step_report.pack(replica, end - start, examples,
+                                      total - total_before, count - count_before)
+
+
+class _StepFunctions:
+    """Compiled `steps_per_execution`-step functions over a distributed iterator."""
+
+    def __init__(self, model, strategy, step, instrument=False, train=False):
+        self.model, self._strategy, self._step = model, strategy, step
+        self._functions = {}
+        self._instrument = instrument
+        self._train = train
+        self.ran_out = False
+
+    def _replica_fn(self):
+        if not self._train:
+            return self._step
+        return lambda data: self._step(data, self._instrument)
+
+    def _function(self, k):
+        if k not in self._functions:
+            strategy, replica_fn = self._strategy, self._replica_fn()
+
+            def run(iterator):
+                records = []
+                for _ in range(k):  # unrolled: k is small and fixed per function
+                    outputs = strategy.run(replica_fn, args=(next(iterator),))
+                    if self._instrument:
+                        outputs, record = outputs
+                        records.append(record)
+                logs = tf.nest.map_structure(
+                    lambda v: strategy.reduce("MEAN", v, axis=None), outputs)
+                if not records:
+                    return logs
+                # One row per replica of every worker: [k steps x fields].
+                per_replica = strategy.run(lambda *r: tf.expand_dims(tf.stack(r), 0),
+                                           args=tuple(records))
+                return logs, strategy.gather(per_replica, axis=0)
+
+            self._functions[k] = (
+                run if self.model.run_eagerly
+                else tf.function(run, jit_compile=bool(self.model.jit_compile)))
+        return self._functions[k]
+
+    def _call(self, k, iterator):
+        optimizer = self.model.optimizer if self._train else None
+        replicas = self._strategy.num_replicas_in_sync
+        with update.intercept_apply(optimizer), (
+                update.clipping_for_replicas(optimizer, replicas) if optimizer is not None
+                else contextlib.nullcontext()):
+            result = self._function(k)(iterator)
+        if not self._instrument:
+            return result, None
+        result, rows = result
+        return result, [_combine(row) for row in np.asarray(rows)]
+
+    def steps(self, iterator, total):
+        """Yields `BatchBegin` before and `BatchEnd` after each execution;
+        stops at `total` steps or at the end of the data."""
+        per_call = max(1, int(getattr(self.model, "steps_per_execution", 1) or 1))
+        self.ran_out = False
+        begin = 0
+        while total is None or begin < total:
+            k = 1 if total is None else min(per_call, total - begin)  # unknown length:
+            yield driver.BatchBegin(begin)                              # stop exactly at the end
+            try:
+                logs, reports = self._call(k, iterator)
+            except (tf.errors.OutOfRangeError, StopIteration):
+                self.ran_out = True
+                return
+            steps = None if reports is None else [
+                replica_cbs.ReplicaStep.from_report(r, "replica", steps=k) for r in reports]
+            yield driver.BatchEnd(begin + k - 1, logs, steps)
+            begin += k
+
+
+def _check_supported(optimizer, strategy):
+    """Refuses what cannot match Keras' one-device semantics here."""
+    if strategy.num_replicas_in_sync < 2:
+        return
+    for o in update.optimizer_chain(optimizer):
+        steps = getattr(o, "gradient_accumulation_steps", None)
+        if steps:
+            raise ValueError(
+                f"gradient_accumulation_steps={steps} ({type(o).__name__}) is not supported "
+                f"with {strategy.num_replicas_in_sync} synchronous replicas: Keras 3 puts the "
+                "gradient all-reduce inside a conditional, which tf.distribute refuses "
+                "(Keras' own model.fit fails the same way under MirroredStrategy). Use a "
+                "global batch `gradient_accumulation_steps` times larger instead (the same "
+                "update for SGD-type optimizers), or train on one device.")
+
+
+def _combine(rows):
+    """One `StepReport` from a replica's [k, fields] rows."""
+    rows = np.asarray(rows, np.float64)
+    summed = rows.sum(axis=0)
+    summed[0] = rows[0, 0]  # the replica index, not a sum
+    return step_report.unpack(summed)
+
+
+@contextlib.contextmanager
+def quiet_tf_logger(level="ERROR"):
+    """Raises the `tensorflow` logger's level for a block, then restores it."""
+    tf_logger = tf.get_logger()
+    previous = tf_logger.level
+    tf_logger.setLevel(level)
+    try:
+        yield
+    finally:
+        tf_logger.setLevel(previous)

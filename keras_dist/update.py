@@ -1,0 +1,363 @@
+"""One model update, as keras_dist's executors apply it.
+
+A Keras `train_step` ends with `self.optimizer.apply(grads, variables)` (or
+`apply_gradients`, which calls it). keras_dist's executors run the model's
+own `train_step` and take over exactly that call, for the step they are
+tracing, to add what distributed training needs around the optimizer:
+
+- `intercept_apply(optimizer)` routes `optimizer.apply` through a hook set
+  per thread (MirroredStrategy traces each replica in its own thread) while
+  a step function is traced; without a hook the optimizer's own `apply`
+  runs.
+- `UpdateInfo` is the data of one asynchronous update -- its staleness, the
+  weights the worker pulled, the worker -- handed to staleness-aware
+  optimizers (`keras_dist.optimizers`) as an argument, or through
+  `providing(info)` across optimizers that do not forward it (Keras'
+  `LossScaleOptimizer`).
+- `NonFinitePolicy` skips (and counts) or refuses updates whose gradients
+  are not finite, in the manner of optax's `apply_if_finite`; both executors
+  use it.
+- `global_gradient_apply` gives synchronous replicas Keras' one-device
+  semantics: gradient clipping on the global gradient, and the loss of a
+  batch split unevenly over replicas averaged over the global batch.
+"""
+
+import contextlib
+import dataclasses
+import threading
+from typing import Any, Optional
+
+import keras
+import tensorflow as tf
+
+MODES = ("skip", "raise")
+
+_hooks = threading.local()
+
+
+# ------------------------------------------------------------ interception
+@contextlib.contextmanager
+def intercept_apply(optimizer):
+    """Routes `optimizer.apply` through the calling thread's hook, if any.
+
+    Keras' `apply_gradients` calls `self.apply`, and an instance attribute is
+    found before the class's method, so both are covered. The dispatcher is
+    only there inside this block (while a step function is traced).
+    """
+    if optimizer is None:
+        yield
+        return
+    original = type(optimizer).apply.__get__(optimizer)
+
+    def apply(grads, trainable_variables=None):
+        hook = getattr(_hooks, "apply", None)
+        if hook is None:
+            return original(grads, trainable_variables)
+        return hook(original, list(grads), trainable_variables)
+
+    optimizer.__dict__["apply"] = apply
+    try:
+        yield
+    finally:
+        optimizer.__dict__.pop("apply", None)
+
+
+@contextlib.contextmanager
+def apply_hook(hook):
+    """Sets this thread's hook: `hook(original_apply, grads, variables)`."""
+    previous = getattr(_hooks, "apply", None)
+    _hooks.apply = hook
+    try:
+        yield
+    finally:
+        _hooks.apply = previous
+
+
+# ------------------------------------------------------------- update data
+@dataclasses.dataclass(frozen=True)
+class UpdateInfo:
+    """The data of one asynchronous update, for staleness-aware optimizers.
+
+    Attributes:
+        staleness: Integer scalar tensor (or int). Updates other workers
+            applied between this step reading the weights and applying its
+            own (tau).
+        pulled: List of tensors or `None`. The trainable weights exactly as
+            the worker read them for this gradient (DC-ASGD, Gap-Aware).
+        worker: Integer scalar tensor or `None`. The worker that computed it.
+
+    Example:
+
+    >>> from keras_dist.update import UpdateInfo, providing, current_update
+    >>> with providing(UpdateInfo(staleness=3)):
+    ...     current_update().staleness
+    3
+    >>> current_update() is None
+    True
+    """
+
+    staleness: Any
+    pulled: Optional[list] = None
+    worker: Any = None
+
+
+_updates = threading.local()
+
+
+@contextlib.contextmanager
+def providing(info):
+    """Makes `info` the current update for optimizers applied in the block.
+
+    Used where an optimizer that does not forward `update=` (Keras'
+    `LossScaleOptimizer`) sits between the executor and a staleness-aware
+    wrapper. The value is per thread and ends with the block.
+    """
+    previous = getattr(_updates, "info", None)
+    _updates.info = info
+    try:
+        yield
+    finally:
+        _updates.info = previous
+
+
+def current_update():
+    """The `UpdateInfo` provided by the enclosing `providing` block, or `None`."""
+    return getattr(_updates, "info", None)
+
+
+# --------------------------------------------------------- non-finite policy
+class NonFinitePolicy:
+    """What an executor does with an update whose gradients are not finite.
+
+    - `"skip"`: the update is not applied (weights, optimizer slots and the
+      step count are untouched) and it is counted: `skipped` on the parameter
+      servers or mirrored replicas, reported as `skipped_nonfinite` in the
+      epoch logs of any epoch that skipped one.
+    - `"raise"`: training stops with an error naming the option.
+
+    Under a `LossScaleOptimizer` (mixed_float16) that optimizer skips
+    non-finite steps itself (and lowers its loss scale); the policy leaves
+    the decision to it. Keras' own loop (one device) applies NaN updates
+    as Keras does; use `keras.callbacks.TerminateOnNaN` there.
+
+    Args:
+        mode: String. `"skip"` or `"raise"`. Defaults to `"skip"`.
+
+    Example:
+
+    >>> from keras_dist.update import NonFinitePolicy
+    >>> NonFinitePolicy("raise").mode
+    'raise'
+
+    Raises:
+        ValueError: for any other mode.
+    """
+
+    def __init__(self, mode="skip"):
+        if mode not in MODES:
+            raise ValueError(
+                f"`nonfinite_updates` must be one of {MODES}. Received: "
+                f"nonfinite_updates={mode!r}.")
+        self.mode = mode
+        self.counter = None
+        self._replicated = False
+
+    def build(self, replicated=False):
+        """Creates the skip counter in the current strategy's scope.
+
+        With `replicated=True` (synchronous replicas, which all take the
+        same decision) each replica counts into its own copy, without any
+        communication, and the first replica's count is read.
+        """
+        if self.counter is None:
+            self._replicated = replicated
+            extra = dict(synchronization=tf.VariableSynchronization.ON_READ) if replicated else {}
+            self.counter = tf.Variable(
+                0, dtype=tf.int64, trainable=False, name="keras_dist_skipped_nonfinite",
+                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA, **extra)
+        return self
+
+    @property
+    def skipped(self):
+        """Integer. Updates skipped so far (reads the counter)."""
+        return 0 if self.counter is None else int(self.counter.numpy())
+
+    def apply(self, apply_fn, grads, variables, finite=None):
+        """Applies `apply_fn(grads, variables)` under the policy.
+
+        `finite` is a boolean tensor (the same on every replica of a
+        synchronous step); by default it is computed from `grads`.
+        """
+        if finite is None:
+            finite = all_finite(grads)
+        if self.mode == "raise":
+            check = tf.debugging.Assert(finite, [
+                "keras_dist: an update's gradients are not finite (NaN or Inf); to skip "
+                "such updates instead, pass nonfinite_updates='skip' to keras_dist.fit "
+                "or set model.nonfinite_updates = 'skip'"])
+            with tf.control_dependencies([check]):
+                grads = identity_all(grads)
+            apply_fn(grads, variables)
+            return
+        if self._replicated:
+            self.counter.assign_add(tf.cast(tf.logical_not(finite), tf.int64))
+            apply_if(finite, apply_fn, grads, variables, lambda: tf.constant(False))
+            return
+        apply_if(finite, apply_fn, grads, variables, self._count)
+
+    def _count(self):
+        # Counted only when skipped: no round trip to a parameter server otherwise.
+        with tf.control_dependencies([self.counter.assign_add(1)]):
+            return tf.constant(False)
+
+
+def all_finite(grads):
+    """A boolean scalar: whether every gradient is finite."""
+    flags = [tf.reduce_all(tf.math.is_finite(_values(g))) for g in grads if g is not None]
+    return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
+
+
+def skips_itself(optimizer):
+    """Whether `optimizer` decides on non-finite updates itself (loss scaling)."""
+    return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+
+
+def apply_if(keep, apply_fn, grads, variables, on_skip):
+    """Runs `apply_fn(grads, variables)` when the bool tensor `keep` is true,
+    else `on_skip()` (which returns a bool tensor).
+
+    An optimizer's apply synchronizes through `merge_call`, which may not sit
+    inside a `cond` in replica context; under a strategy the decision is
+    therefore taken in cross-replica context (the construction Keras'
+    `LossScaleOptimizer` uses). `keep` must be the same on every replica.
+    """
+    def applied(grads, variables):
+        apply_fn(grads, variables)
+        return tf.constant(True)
+
+    context = tf.distribute.get_replica_context()
+    if not tf.distribute.has_strategy() or context is None:
+        tf.cond(keep, lambda: applied(grads, variables), on_skip)
+        return
+
+    def decide(distribution, keep, grads, variables):
+        keep = distribution.experimental_local_results(keep)[0]
+
+        def apply_branch():
+            distribution.extended.call_for_each_replica(applied, args=(grads, variables))
+            return tf.constant(True)
+
+        if tf.executing_eagerly():  # an eager first step: a Python branch
+            return apply_branch() if bool(keep) else on_skip()
+        return tf.cond(keep, apply_branch, on_skip)
+
+    context.merge_call(decide, args=(keep, grads, variables))
+
+
+# ------------------------------------------------- synchronous global update
+def global_gradient_apply(optimizer, examples, policy):
+    """A sync hook giving replicas Keras' one-device update.
+
+    Each replica's loss is its local mean scaled by 1 / replicas (Keras'
+    `scale_loss_for_distribution`); with a batch split unevenly (33 over 2)
+    that is not the global mean. The hook rescales each replica's gradient by
+    `replicas * local_examples / global_examples`, which makes their sum the
+    gradient of the global mean (exact for the default `sum_over_batch_size`
+    reduction; the factor is 1 for even splits).
+
+    Keras clips (`clipnorm`, `clipvalue`, `global_clipnorm`) inside `apply`,
+    before its own all-reduce, i.e. each replica's share. When any optimizer
+    of the chain clips, the hook all-reduces the gradients first and hands
+    each replica `global / replicas` with the thresholds divided by the
+    number of replicas (`clipping_for_replicas`, around the trace), so the
+    clipped sum is the clipped global gradient (`clip(g / R, c / R) = clip(g, c) / R`; exact for 2 or 4
+    replicas, within one rounding otherwise).
+
+    The finite check and the global batch size travel in one small
+    all-reduce, so every replica takes the same skip decision.
+    """
+    def hook(original, grads, variables):
+        context = tf.distribute.get_replica_context()
+        replicas = context.num_replicas_in_sync if context is not None else 1
+        local_bad = 0.0 if skips_itself(optimizer) else tf.cast(
+            tf.logical_not(all_finite(grads)), tf.float32)
+        finite = None
+        if replicas > 1:
+            local = tf.cast(examples, tf.float32)
+            total_examples, total_bad = tf.unstack(context.all_reduce(
+                tf.distribute.ReduceOp.SUM, tf.stack([local, tf.cast(local_bad, tf.float32)])))
+            factor = tf.math.divide_no_nan(local * replicas, total_examples)
+            grads = scale_gradients(grads, factor)
+            finite = tf.equal(total_bad, 0.0)
+            if _clips(optimizer):
+                grads = context.all_reduce(tf.distribute.ReduceOp.SUM, grads)
+                grads = scale_gradients(grads, 1.0 / replicas)
+        elif not skips_itself(optimizer):
+            finite = tf.equal(local_bad, 0.0)
+
+        if skips_itself(optimizer):
+            original(grads, variables)
+        else:
+            policy.apply(original, grads, variables, finite=finite)
+
+    return hook
+
+
+_CLIP_ARGS = ("clipnorm", "clipvalue", "global_clipnorm")
+
+
+def _clips(optimizer):
+    return any(getattr(o, a, None) for o in optimizer_chain(optimizer) for a in _CLIP_ARGS)
+
+
+@contextlib.contextmanager
+def clipping_for_replicas(optimizer, replicas):
+    """Divides the chain's clipping thresholds by `replicas` in the block.
+
+    Wraps the (single-threaded) call that traces a synchronous step, so
+    every replica's trace sees the same thresholds; see
+    `global_gradient_apply`.
+    """
+    saved = []
+    if replicas > 1 and _clips(optimizer):
+        for o in optimizer_chain(optimizer):
+            for name in _CLIP_ARGS:
+                value = getattr(o, name, None)
+                if value:
+                    saved.append((o, name, value))
+                    setattr(o, name, value / replicas)
+    try:
+        yield
+    finally:
+        for o, name, value in saved:
+            setattr(o, name, value)
+
+
+def optimizer_chain(optimizer):
+    """`optimizer` and the optimizers it wraps, outermost first."""
+    while optimizer is not None:
+        yield optimizer
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+
+
+def scale_gradients(grads, scale):
+    """Multiplies dense and sparse (`IndexedSlices`) gradients by `scale`."""
+    out = []
+    for g in grads:
+        if g is None:
+            out.append(None)
+        elif isinstance(g, tf.IndexedSlices):
+            out.append(tf.IndexedSlices(g.values * tf.cast(scale, g.values.dtype),
+                                        g.indices, g.dense_shape))
+        else:
+            out.append(g * tf.cast(scale, g.dtype))
+    return out
+
+
+def identity_all(grads):
+    return [None if g is None else tf.nest.map_structure(tf.identity, g, expand_composites=True)
+            for g in grads]
+
+
+def _values(g):
+    return g.values if isinstance(g, tf.IndexedSlices) else g

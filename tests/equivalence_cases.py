@@ -1,0 +1,136 @@
+"""Feature-by-feature cases where `kd.fit` must give what `model.fit` gives.
+
+Shared by tests/test_equivalence.py (MirroredStrategy, 2 logical CPUs, in
+process) and tests/scripts/mwms_equivalence.py (a real 2-process
+MultiWorkerMirrored cluster). Each case builds the same seeded model, data
+and arguments; the reference is Keras' own `model.fit` on one device.
+"""
+
+import keras
+import numpy as np
+
+SAMPLES = 200
+
+
+def data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(SAMPLES, 8)).astype("float32")
+    y = (x[:, :4].sum(1) > x[:, 4:].sum(1)).astype("int32")
+    return x, y
+
+
+@keras.saving.register_keras_serializable(package="keras_dist_tests")
+class WeightedStepModel(keras.Model):
+    """A user's `train_step`: the loss weighted by 2, plus a metric of its own
+    that counts the examples it saw (the Keras customization guide's shape)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(16, activation="relu")
+        self.out = keras.layers.Dense(2, activation="softmax")
+        self.seen = keras.metrics.Sum(name="examples_seen")
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+    def train_step(self, data):
+        import tensorflow as tf
+
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = 2.0 * self.compute_loss(x=x, y=y, y_pred=y_pred, training=True)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        self.seen.update_state(tf.cast(tf.shape(x)[0], "float32"))
+        # As Keras' own train_step: the tracker gets the loss before the
+        # 1 / replicas scaling, weighted by the batch size.
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss * replicas, sample_weight=tf.shape(x)[0])
+            elif metric.name == "compile_metrics":
+                metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
+def _sgd():
+    return keras.optimizers.SGD(0.1, momentum=0.9)
+
+
+CASES = {
+    "sgd": dict(),
+    "adamw": dict(optimizer=lambda: keras.optimizers.AdamW(0.01, weight_decay=0.05)),
+    "ema": dict(optimizer=lambda: keras.optimizers.SGD(0.1, use_ema=True, ema_momentum=0.9)),
+    "clipnorm": dict(optimizer=lambda: keras.optimizers.SGD(0.1, clipnorm=0.1)),
+    "clipvalue": dict(optimizer=lambda: keras.optimizers.SGD(0.1, clipvalue=0.01)),
+    "global_clipnorm": dict(optimizer=lambda: keras.optimizers.Adam(0.01, global_clipnorm=0.1)),
+    "uneven_batch": dict(fit=dict(batch_size=33)),
+    "steps_per_execution": dict(steps_per_execution=3, fit=dict(batch_size=16)),
+    "sample_weight": dict(sample_weight=True),
+    "class_weight": dict(fit=dict(class_weight={0: 1.0, 1: 3.0})),
+    "validation_split": dict(fit=dict(validation_split=0.25)),
+    "validation_freq": dict(validation_data=True,
+                            fit=dict(validation_freq=2, validation_batch_size=24, epochs=4)),
+    "initial_epoch": dict(fit=dict(initial_epoch=1, epochs=4)),
+    "lr_callback": dict(callbacks=lambda: [keras.callbacks.LearningRateScheduler(
+        lambda epoch, lr: lr * 0.5)]),
+    "lr_schedule": dict(optimizer=lambda: keras.optimizers.SGD(
+        keras.optimizers.schedules.ExponentialDecay(0.2, decay_steps=5, decay_rate=0.8))),
+    "early_stopping": dict(
+        validation_data=True, fit=dict(epochs=8),
+        callbacks=lambda: [keras.callbacks.EarlyStopping(
+            "val_loss", min_delta=0.02, patience=1, restore_best_weights=True)]),
+    "custom_train_step": dict(model="weighted_step"),
+}
+"""name -> settings: `optimizer` (factory), `fit` (extra fit arguments),
+`callbacks` (factory), `sample_weight` / `validation_data` (use them),
+`steps_per_execution`, `model` ("mlp" or "weighted_step")."""
+
+
+def build(case, steps_per_execution=None):
+    """The seeded, compiled model of `case` (call inside a strategy scope)."""
+    settings = CASES[case]
+    keras.utils.set_random_seed(3)
+    if settings.get("model") == "weighted_step":
+        model = WeightedStepModel()
+        model(np.zeros((1, 8), "float32"))  # creates the weights
+    else:
+        model = keras.Sequential([
+            keras.Input((8,)),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(2, activation="softmax"),
+        ])
+    model.compile(settings.get("optimizer", _sgd)(), "sparse_categorical_crossentropy",
+                  metrics=["accuracy"],
+                  steps_per_execution=steps_per_execution or settings.get(
+                      "steps_per_execution", 1))
+    return model
+
+
+def fit_arguments(case):
+    """`(x, y, kwargs)` for `fit` in `case`, callbacks freshly made."""
+    settings = CASES[case]
+    x, y = data()
+    kwargs = dict(epochs=3, batch_size=32, shuffle=False, verbose=0)
+    kwargs.update(settings.get("fit", {}))
+    if settings.get("sample_weight"):
+        kwargs["sample_weight"] = np.linspace(0.5, 2.0, len(x)).astype("float32")
+    if settings.get("validation_data"):
+        kwargs["validation_data"] = (x[:40], y[:40])
+    if "callbacks" in settings:
+        kwargs["callbacks"] = settings["callbacks"]()
+    return x, y, kwargs
+
+
+def reference(case):
+    """Keras' own `model.fit` on one device: `(weights, history dict)`."""
+    model = build(case)
+    x, y, kwargs = fit_arguments(case)
+    history = model.fit(x, y, **kwargs)
+    return model.get_weights(), history.history
+
+
+def largest_difference(weights_a, weights_b):
+    return max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+               for a, b in zip(weights_a, weights_b))

@@ -1,0 +1,34 @@
+"""One worker of a 2-process MultiWorkerMirrored cluster: every equivalence case.
+
+Run by tests/test_equivalence.py with TF_CONFIG set. Trains each case of
+tests/equivalence_cases.py with `kd.fit` and writes the weights and History
+to out_dir/<task>.json. argv: out_dir.
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import keras_dist as kd  # noqa: E402
+
+strategy = kd.resolve_strategy()  # first: collective ops start with the process
+
+from equivalence_cases import CASES, build, fit_arguments  # noqa: E402
+
+
+def main(out_dir):
+    results = {}
+    for case in sorted(CASES):
+        x, y, kwargs = fit_arguments(case)
+        history = kd.fit(lambda: build(case), x, y, strategy=strategy, **kwargs)
+        results[case] = {"weights": [w.tolist() for w in history.model.get_weights()],
+                         "history": history.history}
+    task = json.loads(os.environ["TF_CONFIG"])["task"]
+    with open(os.path.join(out_dir, f"{task['type']}{task['index']}.json"), "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
