@@ -55,18 +55,14 @@ WINDOW_PER_WORKER = 16
 _LOST = (tf.errors.UnavailableError,)  # seen when a worker is cut off (test_multihost)
 
 
-class AsyncExecutor:
+class AsyncExecutor(driver.Executor):
     """Runs the model's `train_step` asynchronously on a parameter-server cluster.
 
     Args:
         model: A compiled `keras.Model` created in `strategy`'s scope.
         strategy: A `tf.distribute.ParameterServerStrategy`.
-        nonfinite_updates: String. `"skip"` (count) or `"raise"`. Defaults
-            to `"skip"`.
-        faults: `keras_dist.testing.FaultInjection` or `None`.
-        cluster: `keras_dist.ClusterConfig` or `None` (a single process).
-            Who reports (the chief) and how many workers there are come
-            from it, as `keras_dist.fit` passed it down.
+        **kwargs: `nonfinite_updates`, `faults`, `cluster`: see
+            `keras_dist.driver.Executor`.
 
     `steps_per_epoch` counts updates from all workers together; for arrays
     it defaults to one pass over the data (`ceil(samples / batch_size)`).
@@ -76,46 +72,39 @@ class AsyncExecutor:
 
     parameter_server = True
 
-    def __init__(self, model, strategy, nonfinite_updates="skip", faults=None, cluster=None):
-        self.model, self.strategy = model, strategy
-        self.policy_mode = update.NonFinitePolicy(nonfinite_updates).mode
-        self.faults = faults
-        self.cluster = cluster
-        self.is_chief = cluster is None or cluster.is_chief
-        self.ran_out = False
+    def __init__(self, model, strategy, **kwargs):
+        super().__init__(model, strategy, **kwargs)
         self.coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
-        self._evaluator = SyncExecutor(model, tf.distribute.get_strategy(), cluster=cluster)
+        self._evaluator = SyncExecutor(model, tf.distribute.get_strategy(), cluster=self.cluster)
         self.stats = StalenessStats()
 
-    # ------------------------------------------------------------------ data
-    def train_input(self, x, y, sample_weight, *, batch_size, shuffle, class_weight, steps):
-        return data_lib.per_worker_input(self.strategy, x, y, sample_weight, batch_size=batch_size,
-                                         shuffle=shuffle, class_weight=class_weight, steps=steps)
+    make_train_input = staticmethod(data_lib.per_worker_input)
 
-    def eval_input(self, x, y, sample_weight, *, batch_size, steps, what="x"):
-        return self._evaluator.eval_input(x, y, sample_weight, batch_size=batch_size,
-                                          steps=steps, what=what)
+    @property
+    def eval_strategy(self):
+        return self._evaluator.strategy
 
     def evaluate(self, eval_input, callbacks):
         return self._evaluator.evaluate(eval_input, callbacks)
 
     # -------------------------------------------------------------- training
     def begin_training(self, train_input, callbacks):
-        self.state = _AsyncState.of(self.model, self.strategy, self.policy_mode)
+        self.state = _AsyncState.of(self.model, self.strategy, self.nonfinite_updates)
         self.state.build(train_input.sample)
+        self.policy = self.state.policy
+        self.policy.begin_training()
         self._aware = staleness_aware_in(self.model.optimizer)
         self._iterator = iter(self.coordinator.create_per_worker_dataset(train_input.dataset))
         self._per_call = max(1, int(getattr(self.model, "steps_per_execution", 1) or 1))
         self.model.staleness_stats = self.stats
-        self._report_skips = False
         workers = len(self.cluster.cluster.get("worker", ())) if self.cluster else 4
         self._window = WINDOW_PER_WORKER * max(1, workers)
 
     def begin_epoch(self):
+        super().begin_epoch()
         self.stats.reset()
         if self._aware is not None:
             self._aware.reset_staleness_logs()
-        self._skipped_before = self.state.policy.skipped
 
     def train_epoch(self, train_input):
         steps, per_call = train_input.steps, self._per_call
@@ -154,18 +143,11 @@ class AsyncExecutor:
             self.coordinator.join()
 
     def epoch_logs(self, last_logs):
-        logs = driver.metrics_or_logs(self.model, last_logs)
+        logs = super().epoch_logs(last_logs)
         logs.update(self.stats.logs())
-        skipped = self.state.policy.skipped - self._skipped_before
-        self._report_skips = self._report_skips or skipped > 0
-        if self._report_skips:
-            logs["skipped_nonfinite"] = skipped
         if self._aware is not None:
             logs.update(self._aware.staleness_logs())
         return logs
-
-    def end_training(self):
-        pass
 
 
 class _AsyncState:
@@ -316,7 +298,7 @@ class _AsyncState:
             delta = scope.get_current_value(v)
             if delta is not zero:
                 writes.append(v.value.assign_add(delta))
-        tracker = _loss_tracker(model)
+        tracker = step_report.loss_tracker(model)
         if tracker is not None:
             total, count = (scope.get_current_value(v) for v in tracker)
             loss = (tf.cast(total, tf.float64), tf.cast(count, tf.float64))
@@ -336,15 +318,6 @@ def _metric_variables(model):
                 seen.add(id(v))
                 out.append(v)
     return out
-
-
-def _loss_tracker(model):
-    for metric in model.metrics:
-        if metric.name == "loss":
-            values = {v.name: v for v in metric.variables}
-            if "total" in values and "count" in values:
-                return values["total"], values["count"]
-    return None
 
 
 def _is_scalar(value):

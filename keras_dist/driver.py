@@ -33,6 +33,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dist import data as data_lib
+from keras_dist import update
 from keras_dist.callbacks import base as replica_cbs
 
 
@@ -50,6 +51,59 @@ class BatchEnd:
     batch: int
     logs: dict
     replica_steps: Optional[List[Any]] = None
+
+
+class Executor:
+    """The base of keras_dist's executors (see the module docs).
+
+    Args:
+        model: A compiled `keras.Model` created in `strategy`'s scope.
+        strategy: The `tf.distribute.Strategy` to run steps under.
+        nonfinite_updates: String. `"skip"` (count) or `"raise"`; see
+            `keras_dist.update.NonFinitePolicy`. Defaults to `"skip"`.
+        faults: `keras_dist.testing.FaultInjection` or `None`.
+        cluster: `keras_dist.ClusterConfig` or `None` (a single process).
+            Who reports (the chief) and how many workers there are come
+            from it, as `keras_dist.fit` passed it down.
+    """
+
+    parameter_server = False
+
+    def __init__(self, model, strategy, nonfinite_updates="skip", faults=None, cluster=None):
+        self.model, self.strategy = model, strategy
+        self.nonfinite_updates = update.NonFinitePolicy(nonfinite_updates).mode
+        self.faults = faults
+        self.cluster = cluster
+        self.is_chief = cluster is None or cluster.is_chief
+        self.ran_out = False
+        self.policy = None  # an update.NonFinitePolicy, from begin_training on
+
+    make_train_input = staticmethod(data_lib.distribute)
+    """`f(strategy, x, y, sample_weight, **kwargs)` building the training input."""
+
+    @property
+    def eval_strategy(self):
+        """The strategy validation and evaluation run under."""
+        return self.strategy
+
+    def train_input(self, x, y, sample_weight, **kwargs):
+        return self.make_train_input(self.strategy, x, y, sample_weight, **kwargs)
+
+    def eval_input(self, x, y, sample_weight, *, batch_size, steps, what="x"):
+        return data_lib.distribute(self.eval_strategy, x, y, sample_weight,
+                                   batch_size=batch_size, shuffle=False, steps=steps, what=what)
+
+    def begin_epoch(self):
+        self.policy.begin_epoch()
+
+    def epoch_logs(self, last_logs):
+        """Keras' epoch logs, plus `skipped_nonfinite` once anything was skipped."""
+        logs = metrics_or_logs(self.model, last_logs)
+        logs.update(self.policy.epoch_logs())
+        return logs
+
+    def end_training(self):
+        pass
 
 
 def resolve_verbose(verbose, parameter_server):

@@ -27,6 +27,10 @@ GRPC_KEEPALIVE = ",".join([
     "grpc.http2.max_pings_without_data=0",
     "grpc.http2.min_time_between_pings_ms=5000",
     "grpc.http2.min_ping_interval_without_data_ms=4000",  # servers accept them
+    # ... and never answer them with GOAWAY "too_many_pings": seen here to
+    # close a MultiWorkerMirrored peer's connection ~35 s into a run and
+    # leave a collective waiting forever.
+    "grpc.http2.max_ping_strikes=0",
 ])
 """gRPC options keras_dist gives TensorFlow (`TF_GRPC_DEFAULT_OPTIONS`).
 

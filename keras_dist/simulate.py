@@ -168,7 +168,7 @@ def fit(model, x, y, *, workers, epochs=1, batch_size=32, validation_data=None,
     >>> len(history["loss"]), len(sched.staleness)
     (2, 4)
     """
-    from keras_dist import update
+    from keras_dist import update as update_lib
     from keras_dist.optimizers.base import staleness_aware_in
 
     steps_per_epoch = len(x) // batch_size
@@ -191,8 +191,8 @@ def fit(model, x, y, *, workers, epochs=1, batch_size=32, validation_data=None,
 
     @tf.function(reduce_retracing=True)
     def apply(grads, pulled, tau):
-        info = update.UpdateInfo(staleness=tau, pulled=pulled) if aware is not None else None
-        with update.providing(info):
+        info = update_lib.UpdateInfo(tau, pulled) if aware is not None else None
+        with update_lib.providing(info):
             optimizer.apply(grads, variables)
 
     def snapshot():

@@ -75,17 +75,25 @@ def unpack(vector, names: Sequence[str] = ()) -> StepReport:
         logs={name: float(v) for name, v in zip(names, values[:n])})
 
 
-def loss_state(model):
-    """This replica's loss tracker state `(total, count)` as float64 tensors
-    (NaN when the model has no Keras loss tracker)."""
+def loss_tracker(model):
+    """The `(total, count)` variables of Keras' loss tracker (the "loss"
+    metric), or `None` when the model has none."""
     for metric in model.metrics:
         if metric.name == "loss":
             values = {v.name: v for v in metric.variables}
             if "total" in values and "count" in values:
-                return (tf.cast(values["total"].value, tf.float64),
-                        tf.cast(values["count"].value, tf.float64))
-    nan = tf.constant(np.nan, tf.float64)
-    return nan, nan
+                return values["total"], values["count"]
+    return None
+
+
+def loss_state(model):
+    """This replica's loss tracker state `(total, count)` as float64 tensors
+    (NaN when the model has no Keras loss tracker)."""
+    tracker = loss_tracker(model)
+    if tracker is None:
+        nan = tf.constant(np.nan, tf.float64)
+        return nan, nan
+    return tuple(tf.cast(v.value, tf.float64) for v in tracker)
 
 
 def batch_examples(data):

@@ -33,19 +33,15 @@ from keras_dist import update
 from keras_dist.callbacks import base as replica_cbs
 
 
-class SyncExecutor:
+class SyncExecutor(driver.Executor):
     """Runs steps of `model.train_step` under a synchronous strategy.
 
     Args:
         model: A `keras.Model` built and compiled in `strategy`'s scope.
         strategy: A `tf.distribute.Strategy` (Mirrored, MultiWorkerMirrored,
             or the default strategy).
-        nonfinite_updates: String. `"skip"` (count) or `"raise"`; see
-            `keras_dist.update.NonFinitePolicy`. Defaults to `"skip"`.
-        faults: `keras_dist.testing.FaultInjection` or `None`.
-        cluster: `keras_dist.ClusterConfig` or `None` (a single process).
-            Who reports (the chief) and how many workers there are come
-            from it, as `keras_dist.fit` passed it down.
+        **kwargs: `nonfinite_updates`, `faults`, `cluster`: see
+            `keras_dist.driver.Executor`.
 
     Example:
 
@@ -61,36 +57,19 @@ class SyncExecutor:
     2
     """
 
-    parameter_server = False
-
-    def __init__(self, model, strategy, nonfinite_updates="skip", faults=None,
-                 cluster=None):
-        self.model, self.strategy = model, strategy
-        self.policy = update.NonFinitePolicy(nonfinite_updates)
-        self.faults = faults
-        self.cluster = cluster
-        self.is_chief = cluster is None or cluster.is_chief
-        self.ran_out = False
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self._train_fns = self._eval_fns = None
         self._iterator = None
-        self._skipped_at_epoch_begin = 0
-        self._report_skips = False
-
-    # ------------------------------------------------------------------ data
-    def train_input(self, x, y, sample_weight, *, batch_size, shuffle, class_weight, steps):
-        return data_lib.distribute(self.strategy, x, y, sample_weight, batch_size=batch_size,
-                                   shuffle=shuffle, class_weight=class_weight, steps=steps)
-
-    def eval_input(self, x, y, sample_weight, *, batch_size, steps, what="x"):
-        return data_lib.distribute(self.strategy, x, y, sample_weight, batch_size=batch_size,
-                                   shuffle=False, steps=steps, what=what)
 
     # -------------------------------------------------------------- training
     def begin_training(self, train_input, callbacks):
         model = self.model
         _check_supported(model.optimizer, self.strategy)
+        self.policy = update.NonFinitePolicy(self.nonfinite_updates)
         with self.strategy.scope():
             self.policy.build(replicated=True)
+        self.policy.begin_training()
         if not model.run_eagerly:
             driver.build_for_training(model, self.strategy, train_input.sample())
         slowed = bool(self.faults and self.faults.slowed)
@@ -98,10 +77,6 @@ class SyncExecutor:
         self._train_fns = _StepFunctions(model, self.strategy, self._train_replica_step,
                                          instrument=instrument, train=True)
         self._iterator = iter(train_input.dataset) if train_input.repeats else None
-        self._report_skips = False
-
-    def begin_epoch(self):
-        self._skipped_at_epoch_begin = self.policy.skipped
 
     def train_epoch(self, train_input):
         if not train_input.repeats:
@@ -110,18 +85,6 @@ class SyncExecutor:
         for event in self._train_fns.steps(self._iterator, train_input.steps):
             yield event
         self.ran_out = self._train_fns.ran_out and train_input.repeats
-
-    def epoch_logs(self, last_logs):
-        logs = dict(driver.metrics_or_logs(self.model, last_logs))
-        skipped = self.policy.skipped - self._skipped_at_epoch_begin
-        # Only once something was skipped: a clean run's History is Keras'.
-        self._report_skips = self._report_skips or skipped > 0
-        if self._report_skips:
-            logs["skipped_nonfinite"] = skipped
-        return logs
-
-    def end_training(self):
-        pass
 
     def evaluate(self, eval_input, callbacks):
         model = self.model

@@ -182,6 +182,20 @@ class NonFinitePolicy:
         """Integer. Updates skipped so far (reads the counter)."""
         return 0 if self.counter is None else int(self.counter.numpy())
 
+    def begin_training(self):
+        """A new `fit` call: nothing skipped in it yet."""
+        self._reporting = False
+
+    def begin_epoch(self):
+        self._skipped_before = self.skipped
+
+    def epoch_logs(self):
+        """`{"skipped_nonfinite": n}` for the epoch once this `fit` call has
+        skipped anything (so a clean run's History is Keras'), else `{}`."""
+        skipped = self.skipped - getattr(self, "_skipped_before", 0)
+        self._reporting = getattr(self, "_reporting", False) or skipped > 0
+        return {"skipped_nonfinite": skipped} if self._reporting else {}
+
     def apply(self, apply_fn, grads, variables, finite=None):
         """Applies `apply_fn(grads, variables)` under the policy.
 

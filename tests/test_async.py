@@ -155,3 +155,19 @@ def test_a_killed_worker_is_restarted_and_training_completes(tmp_path):
     assert 0 <= duplicates <= 4, result["version"]
     assert result["test_accuracy"] >= 0.9
     assert result["updates_per_worker"].get("1", 0) > 0  # the restarted worker is back
+
+
+def test_custom_train_step_runs_on_parameter_servers(tmp_path):
+    """A user's train_step is the unit of work: its loss weighting reaches
+    the update (weight 0: the weights do not move at all) and its own metric
+    counts every call exactly, while two workers update it concurrently."""
+    result, _ = run_script(tmp_path, "ps_custom_step.py")
+    steps_per_epoch = result["steps"] // 3
+    for name in ("frozen", "learning"):
+        run = result[name]
+        assert run["history"]["calls"] == [steps_per_epoch] * 3, name
+        assert run["version"] == result["steps"], name
+        assert max(run["history"]["staleness_max"]) >= 0
+    assert result["frozen"]["largest_change"] == 0.0
+    assert result["frozen"]["history"]["loss"] == [0.0] * 3
+    assert result["learning"]["test_accuracy"] >= 0.9

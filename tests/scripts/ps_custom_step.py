@@ -1,0 +1,108 @@
+"""A user's `train_step` under parameter servers; run by keras-dist-run.
+
+Two models with the same custom `train_step` (loss multiplied by a weight,
+a metric counting its calls): a `keras.Model` subclass trained with
+`kd.fit` and loss weight 0 (the update must be exactly zero: the weights
+may not move), and a `kd.AsyncModel` subclass trained with `model.fit` and
+loss weight 1 (it must learn). The chief writes out_dir/result.json.
+argv: out_dir.
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+
+import keras_dist as kd
+
+strategy = kd.resolve_strategy()
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from keras_dist.datasets import load_digits  # noqa: E402
+
+EPOCHS, STEPS = 3, 40
+
+
+class CountingStep:
+    """The override, shared by both model classes below."""
+
+    def setup(self, loss_weight):
+        self.loss_weight = loss_weight
+        self.hidden = keras.layers.Dense(64, activation="relu")
+        self.out = keras.layers.Dense(10, activation="softmax")
+        self.calls = keras.metrics.Sum(name="calls")
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.loss_weight * self.compute_loss(x=x, y=y, y_pred=y_pred,
+                                                        training=True)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        self.calls.update_state(1.0)
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss, sample_weight=tf.shape(x)[0])
+            elif metric.name == "compile_metrics":
+                metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
+class PlainSubclass(CountingStep, keras.Model):
+    def __init__(self, loss_weight, **kwargs):
+        keras.Model.__init__(self, **kwargs)
+        self.setup(loss_weight)
+
+
+class AsyncSubclass(CountingStep, kd.AsyncModel):
+    def __init__(self, loss_weight, **kwargs):
+        kd.AsyncModel.__init__(self, **kwargs)
+        self.setup(loss_weight)
+
+
+def build(cls, loss_weight):
+    keras.utils.set_random_seed(0)
+    model = cls(loss_weight)
+    model(np.zeros((1, 64), "float32"))
+    model.compile(keras.optimizers.SGD(0.05, momentum=0.9),
+                  "sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def main(out_dir):
+    (x, y), (x_test, y_test) = load_digits()
+    result = {}
+    with strategy.scope():
+        frozen = build(PlainSubclass, 0.0)
+    before = [w.copy() for w in frozen.get_weights()]
+    history = kd.fit(frozen, x, y, strategy=strategy, epochs=EPOCHS, steps_per_epoch=STEPS,
+                     batch_size=32, verbose=0)
+    result["frozen"] = {
+        "history": history.history,
+        "largest_change": max(float(np.max(np.abs(a - b)))
+                              for a, b in zip(before, history.model.get_weights())),
+        "version": history.model.version_counter.value,
+    }
+    with strategy.scope():
+        model = build(AsyncSubclass, 1.0)
+    history = model.fit(x, y, epochs=EPOCHS, steps_per_epoch=STEPS, batch_size=32, verbose=0)
+    result["learning"] = {
+        "history": history.history,
+        "test_accuracy": kd.evaluate(model, x_test, y_test, return_dict=True,
+                                     verbose=0)["accuracy"],
+        "version": model.version,
+    }
+    result["steps"] = EPOCHS * STEPS
+    with open(os.path.join(out_dir, "result.json"), "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
