@@ -284,8 +284,9 @@ def global_gradient_apply(optimizer, examples, policy):
     of the chain clips, the hook all-reduces the gradients first and hands
     each replica `global / replicas` with the thresholds divided by the
     number of replicas (`clipping_for_replicas`, around the trace), so the
-    clipped sum is the clipped global gradient (`clip(g / R, c / R) = clip(g, c) / R`; exact for 2 or 4
-    replicas, within one rounding otherwise).
+    clipped sum is the clipped global gradient
+    (`clip(g / R, c / R) = clip(g, c) / R`; exact for 2 or 4 replicas,
+    within one rounding otherwise).
 
     The finite check and the global batch size travel in one small
     all-reduce, so every replica takes the same skip decision.
@@ -369,7 +370,8 @@ def scale_gradients(grads, scale):
 
 
 def identity_all(grads):
-    return [None if g is None else tf.nest.map_structure(tf.identity, g, expand_composites=True)
+    return [None if g is None
+            else tf.nest.map_structure(tf.identity, g, expand_composites=True)
             for g in grads]
 
 

@@ -127,11 +127,11 @@ def test_async_input_errors_are_clear():
 
     unknown = tf.data.Dataset.range(10).filter(lambda i: i > 2).map(lambda i: (i, i))
     with pytest.raises(ValueError, match="unknown or infinite length; pass `steps_per_epoch`"):
-        per_worker_input(None, unknown, None, None, batch_size=8, class_weight=None, steps=None)
+        per_worker_input(None, unknown, batch_size=8)
     with pytest.raises(ValueError, match="dataset_fn.*pass `steps_per_epoch`"):
-        per_worker_input(None, lambda ctx: unknown, None, None, batch_size=8, class_weight=None, steps=None)
+        per_worker_input(None, lambda ctx: unknown, batch_size=8)
     with pytest.raises(ValueError, match="positive integer. Received: 0"):
-        per_worker_input(None, np.zeros((4, 2)), np.zeros(4), None, batch_size=8, class_weight=None, steps=0)
+        per_worker_input(None, np.zeros((4, 2)), np.zeros(4), batch_size=8, steps=0)
 
 
 def test_async_input_rejects_weights_beside_a_dataset():
@@ -141,4 +141,4 @@ def test_async_input_rejects_weights_beside_a_dataset():
 
     dataset = tf.data.Dataset.from_tensor_slices((np.zeros((4, 2)), np.zeros(4))).batch(2)
     with pytest.raises(ValueError, match="`class_weight` must be None when `x` is a tf.data"):
-        per_worker_input(None, dataset, None, None, batch_size=8, class_weight={0: 1.0}, steps=None)
+        per_worker_input(None, dataset, class_weight={0: 1.0})

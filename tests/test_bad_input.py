@@ -85,7 +85,8 @@ CASES = {
                        "apply the correction twice"),
     # AsyncModel and the simulator
     "bad_nonfinite_mode": (lambda: _nonfinite("ignore"), ValueError,
-                           "`nonfinite_updates` must be one of \('skip', 'raise'\). Received: nonfinite_updates='ignore'"),
+                           "`nonfinite_updates` must be one of \\('skip', 'raise'\\). "
+                           "Received: nonfinite_updates='ignore'"),
     "simulate_zero_workers": (lambda: simulate.schedule(0, 10), ValueError,
                               "`workers` must be an integer >= 1"),
     "simulate_bad_straggler": (lambda: simulate.schedule(2, 10, stragglers={5: 2.0}), ValueError,
