@@ -26,9 +26,11 @@ class AsyncModel(keras.Model):
     existing functional / Sequential model with `AsyncModel.from_model`.
     Create and compile it inside the `ParameterServerStrategy` scope (what
     `keras_dist.resolve_strategy()` returns on a cluster with `ps` tasks): its
-    variables then live on the parameter servers, and `fit` schedules
-    `train_step` on the workers through TF's `ClusterCoordinator`. Each worker
-    applies its update as soon as it has it; nobody waits for anybody.
+    variables then live on the parameter servers, and `fit` schedules the
+    model's own `train_step` -- Keras', or your override -- on the workers
+    through TF's `ClusterCoordinator` (`keras_dist.async_executor`). Each
+    worker applies its update as soon as it has it; nobody waits for
+    anybody. What a `train_step` may do there: docs/custom-train-step.md.
 
     Every step reads the parameter version before its forward pass and
     increments it after its update, so each update knows its staleness tau

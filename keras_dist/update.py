@@ -62,15 +62,20 @@ def intercept_apply(optimizer):
         optimizer.__dict__.pop("apply", None)
 
 
-@contextlib.contextmanager
 def apply_hook(hook):
-    """Sets this thread's hook: `hook(original_apply, grads, variables)`."""
-    previous = getattr(_hooks, "apply", None)
-    _hooks.apply = hook
+    """Sets this thread's hook, `hook(original_apply, grads, variables)`, for
+    the block."""
+    return _thread_value(_hooks, "apply", hook)
+
+
+@contextlib.contextmanager
+def _thread_value(local, name, value):
+    previous = getattr(local, name, None)
+    setattr(local, name, value)
     try:
         yield
     finally:
-        _hooks.apply = previous
+        setattr(local, name, previous)
 
 
 # ------------------------------------------------------------- update data
@@ -104,7 +109,6 @@ class UpdateInfo:
 _updates = threading.local()
 
 
-@contextlib.contextmanager
 def providing(info):
     """Makes `info` the current update for optimizers applied in the block.
 
@@ -112,12 +116,7 @@ def providing(info):
     `LossScaleOptimizer`) sits between the executor and a staleness-aware
     wrapper. The value is per thread and ends with the block.
     """
-    previous = getattr(_updates, "info", None)
-    _updates.info = info
-    try:
-        yield
-    finally:
-        _updates.info = previous
+    return _thread_value(_updates, "info", info)
 
 
 def current_update():

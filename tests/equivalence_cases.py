@@ -19,19 +19,25 @@ def data():
     return x, y
 
 
-@keras.saving.register_keras_serializable(package="keras_dist_tests")
-class WeightedStepModel(keras.Model):
-    """A user's `train_step`: the loss weighted by 2, plus a metric of its own
-    that counts the examples it saw (the Keras customization guide's shape)."""
+class WeightedStep:
+    """A user's `train_step` (the Keras customization guide's shape): the loss
+    multiplied by `loss_weight`, plus a metric of its own, `counted`, that adds
+    `count(x)` per call. Mixed into a `keras.Model` or `kd.AsyncModel`."""
 
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.hidden = keras.layers.Dense(16, activation="relu")
-        self.out = keras.layers.Dense(2, activation="softmax")
-        self.seen = keras.metrics.Sum(name="examples_seen")
+    loss_weight = 2.0
+
+    def setup(self, hidden=16, outputs=2, counter="examples_seen"):
+        self.hidden = keras.layers.Dense(hidden, activation="relu")
+        self.out = keras.layers.Dense(outputs, activation="softmax")
+        self.counted = keras.metrics.Sum(name=counter)
 
     def call(self, x):
         return self.out(self.hidden(x))
+
+    def count(self, x):
+        import tensorflow as tf
+
+        return tf.cast(tf.shape(x)[0], "float32")
 
     def train_step(self, data):
         import tensorflow as tf
@@ -39,10 +45,11 @@ class WeightedStepModel(keras.Model):
         x, y = data
         with tf.GradientTape() as tape:
             y_pred = self(x, training=True)
-            loss = 2.0 * self.compute_loss(x=x, y=y, y_pred=y_pred, training=True)
+            loss = self.loss_weight * self.compute_loss(x=x, y=y, y_pred=y_pred,
+                                                        training=True)
         grads = tape.gradient(loss, self.trainable_variables)
         self.optimizer.apply(grads, self.trainable_variables)
-        self.seen.update_state(tf.cast(tf.shape(x)[0], "float32"))
+        self.counted.update_state(self.count(x))
         # As Keras' own train_step: the tracker gets the loss before the
         # 1 / replicas scaling, weighted by the batch size.
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
@@ -52,6 +59,12 @@ class WeightedStepModel(keras.Model):
             elif metric.name == "compile_metrics":
                 metric.update_state(y, y_pred)
         return {m.name: m.result() for m in self.metrics}
+
+
+class WeightedStepModel(WeightedStep, keras.Model):
+    def __init__(self, **kwargs):
+        keras.Model.__init__(self, **kwargs)
+        self.setup()
 
 
 def _sgd():

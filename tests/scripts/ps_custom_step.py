@@ -1,7 +1,7 @@
 """A user's `train_step` under parameter servers; run by keras-dist-run.
 
-Two models with the same custom `train_step` (loss multiplied by a weight,
-a metric counting its calls): a `keras.Model` subclass trained with
+Two models with the same custom `train_step` (tests/equivalence_cases.py:
+loss multiplied by a weight, here with a metric counting its calls): a `keras.Model` subclass trained with
 `kd.fit` and loss weight 0 (the update must be exactly zero: the weights
 may not move), and a `kd.AsyncModel` subclass trained with `model.fit` and
 loss weight 1 (it must learn). The chief writes out_dir/result.json.
@@ -19,52 +19,34 @@ import keras_dist as kd
 strategy = kd.resolve_strategy()
 
 import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
 from keras_dist.datasets import load_digits  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from equivalence_cases import WeightedStep  # noqa: E402
 
 EPOCHS, STEPS = 3, 40
 
 
-class CountingStep:
-    """The override, shared by both model classes below."""
+class CallCounting(WeightedStep):
+    """Counts calls, not examples: each step is one call on one worker."""
 
-    def setup(self, loss_weight):
-        self.loss_weight = loss_weight
-        self.hidden = keras.layers.Dense(64, activation="relu")
-        self.out = keras.layers.Dense(10, activation="softmax")
-        self.calls = keras.metrics.Sum(name="calls")
-
-    def call(self, x):
-        return self.out(self.hidden(x))
-
-    def train_step(self, data):
-        x, y = data
-        with tf.GradientTape() as tape:
-            y_pred = self(x, training=True)
-            loss = self.loss_weight * self.compute_loss(x=x, y=y, y_pred=y_pred,
-                                                        training=True)
-        grads = tape.gradient(loss, self.trainable_variables)
-        self.optimizer.apply(grads, self.trainable_variables)
-        self.calls.update_state(1.0)
-        for metric in self.metrics:
-            if metric.name == "loss":
-                metric.update_state(loss, sample_weight=tf.shape(x)[0])
-            elif metric.name == "compile_metrics":
-                metric.update_state(y, y_pred)
-        return {m.name: m.result() for m in self.metrics}
+    def count(self, x):
+        return 1.0
 
 
-class PlainSubclass(CountingStep, keras.Model):
+class PlainSubclass(CallCounting, keras.Model):
     def __init__(self, loss_weight, **kwargs):
         keras.Model.__init__(self, **kwargs)
-        self.setup(loss_weight)
+        self.loss_weight = loss_weight
+        self.setup(hidden=64, outputs=10, counter="calls")
 
 
-class AsyncSubclass(CountingStep, kd.AsyncModel):
+class AsyncSubclass(CallCounting, kd.AsyncModel):
     def __init__(self, loss_weight, **kwargs):
         kd.AsyncModel.__init__(self, **kwargs)
-        self.setup(loss_weight)
+        self.loss_weight = loss_weight
+        self.setup(hidden=64, outputs=10, counter="calls")
 
 
 def build(cls, loss_weight):
