@@ -218,7 +218,9 @@ class _AsyncState:
         loss_sum = loss_count = examples = tf.constant(0.0, tf.float64)
         for data in batches:
             with tf.control_dependencies([start] + taus):
-                tau, step_writes, step_logs, loss = self._one_step(data, worker, start, faults)
+                step_start = tf.timestamp() if taus else start
+                tau, step_writes, step_logs, loss = self._one_step(data, worker, step_start,
+                                                                   faults)
             taus.append(tau)
             writes += step_writes
             loss_sum += loss[0]
@@ -235,12 +237,14 @@ class _AsyncState:
         return step_report.pack(worker, seconds, examples, loss_sum, loss_count, taus,
                                 logs, names)
 
-    def _one_step(self, data, worker, start, faults):
+    def _one_step(self, data, worker, step_start, faults):
         """`model.train_step(data)` with the version read before it and the
-        update claimed and applied after it; returns `(tau, state writes,
+        update claimed and applied after it (a slowed worker sleeps before
+        the claim: `factor - 1` times the time since `step_start`); returns `(tau, state writes,
         the step's logs, (loss sum, loss count))`."""
         model, optimizer = self.model, self.model.optimizer
         read = self.version.read()
+        slowed = bool(faults and faults.slowed)
         pulled = None
         after_read = [read]
         if _needs_pulled(optimizer):
@@ -270,10 +274,10 @@ class _AsyncState:
         original, grads, variables = captured[0]
         grads = list(grads)
         ready = [t for t in tf.nest.flatten(grads, expand_composites=True) if t is not None]
-        if faults and faults.slowed:
+        if slowed:  # this step takes `factor` times as long
             with tf.control_dependencies(ready):
                 now = tf.timestamp()
-            ready = faults.slow_down(worker, now - start, now) or ready
+            ready = faults.slow_down(worker, now - step_start, now) or ready
             with tf.control_dependencies(ready):
                 grads = update.identity_all(grads)
         with tf.control_dependencies(ready):
