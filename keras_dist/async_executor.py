@@ -240,8 +240,8 @@ class _AsyncState:
     def _one_step(self, data, worker, step_start, faults):
         """`model.train_step(data)` with the version read before it and the
         update claimed and applied after it (a slowed worker sleeps before
-        the claim: `factor - 1` times the time since `step_start`); returns `(tau, state writes,
-        the step's logs, (loss sum, loss count))`."""
+        the claim: `factor - 1` times the time since `step_start`); returns
+        `(tau, state writes, the step's logs, (loss sum, loss count))`."""
         model, optimizer = self.model, self.model.optimizer
         read = self.version.read()
         slowed = bool(faults and faults.slowed)
@@ -291,10 +291,7 @@ class _AsyncState:
             with update.providing(info):  # through a LossScaleOptimizer
                 original(grads, variables)
 
-        if update.skips_itself(optimizer):
-            apply_fn(grads, variables)
-        else:
-            self.policy.apply(apply_fn, grads, variables)
+        self.policy.apply(apply_fn, grads, variables, optimizer=optimizer)
 
         writes = []
         loss = (tf.constant(0.0, tf.float64), tf.constant(0.0, tf.float64))

@@ -195,12 +195,17 @@ class NonFinitePolicy:
         self._reporting = getattr(self, "_reporting", False) or skipped > 0
         return {"skipped_nonfinite": skipped} if self._reporting else {}
 
-    def apply(self, apply_fn, grads, variables, finite=None):
+    def apply(self, apply_fn, grads, variables, finite=None, optimizer=None):
         """Applies `apply_fn(grads, variables)` under the policy.
 
         `finite` is a boolean tensor (the same on every replica of a
-        synchronous step); by default it is computed from `grads`.
+        synchronous step); by default it is computed from `grads`. When
+        `optimizer` decides on non-finite updates itself (a
+        `LossScaleOptimizer`) the update is handed to it as it is.
         """
+        if skips_itself(optimizer):
+            apply_fn(grads, variables)
+            return
         if finite is None:
             finite = all_finite(grads)
         if self.mode == "raise":
@@ -293,26 +298,19 @@ def global_gradient_apply(optimizer, examples, policy):
     def hook(original, grads, variables):
         context = tf.distribute.get_replica_context()
         replicas = context.num_replicas_in_sync if context is not None else 1
-        local_bad = 0.0 if skips_itself(optimizer) else tf.cast(
-            tf.logical_not(all_finite(grads)), tf.float32)
-        finite = None
+        local_bad = tf.cast(tf.logical_not(all_finite(grads)), tf.float32)
+        finite = tf.equal(local_bad, 0.0)
         if replicas > 1:
             local = tf.cast(examples, tf.float32)
             total_examples, total_bad = tf.unstack(context.all_reduce(
-                tf.distribute.ReduceOp.SUM, tf.stack([local, tf.cast(local_bad, tf.float32)])))
+                tf.distribute.ReduceOp.SUM, tf.stack([local, local_bad])))
             factor = tf.math.divide_no_nan(local * replicas, total_examples)
             grads = scale_gradients(grads, factor)
             finite = tf.equal(total_bad, 0.0)
             if _clips(optimizer):
                 grads = context.all_reduce(tf.distribute.ReduceOp.SUM, grads)
                 grads = scale_gradients(grads, 1.0 / replicas)
-        elif not skips_itself(optimizer):
-            finite = tf.equal(local_bad, 0.0)
-
-        if skips_itself(optimizer):
-            original(grads, variables)
-        else:
-            policy.apply(original, grads, variables, finite=finite)
+        policy.apply(original, grads, variables, finite=finite, optimizer=optimizer)
 
     return hook
 

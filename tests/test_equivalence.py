@@ -53,6 +53,7 @@ def test_the_cases_are_not_trivially_equal(strategy):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timeout(900)  # ~60 s here; 5 min with a CPU hog on one of the 2 cores
 def test_multiworker_equals_one_device(tmp_path):
     cluster = ClusterConfig.local(workers=2)
     with ProcessGroup() as group:
@@ -60,7 +61,7 @@ def test_multiworker_equals_one_device(tmp_path):
             env = {"TF_CONFIG": cluster.for_task("worker", index).to_tf_config()}
             group.start(f"worker{index}", ["tests/scripts/mwms_equivalence.py", str(tmp_path)],
                         env_extra=env, log_dir=str(tmp_path))
-        codes = group.wait(timeout=400)
+        codes = group.wait(timeout=840)
         assert codes == {"worker0": 0, "worker1": 0}, group.logs()
     for index in range(2):
         with open(tmp_path / f"worker{index}.json") as f:

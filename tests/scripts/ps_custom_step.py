@@ -1,7 +1,8 @@
 """A user's `train_step` under parameter servers; run by keras-dist-run.
 
-Two models with the same custom `train_step` (tests/equivalence_cases.py:
-loss multiplied by a weight, here with a metric counting its calls): a `keras.Model` subclass trained with
+Two models with the same custom `train_step` (from
+tests/equivalence_cases.py: loss multiplied by a weight, here with a metric
+counting its calls): a `keras.Model` subclass trained with
 `kd.fit` and loss weight 0 (the update must be exactly zero: the weights
 may not move), and a `kd.AsyncModel` subclass trained with `model.fit` and
 loss weight 1 (it must learn). The chief writes out_dir/result.json.
