@@ -12,21 +12,26 @@ come back (`on_train_batch_begin` when a closure is scheduled,
 
 Around each `train_step` the executor adds, explicitly:
 
-- the parameter version, read before the forward pass (every op of the step
-  waits for it) and claimed when the step's update is applied, so each
-  update knows its staleness tau;
+- the parameter version, read together with the weights (same round trip,
+  no ordering edge between them) and claimed once the step's gradients
+  are ready, so each update knows its staleness tau: the updates other
+  workers claimed between this step's read and its claim;
 - the update: the step's call of `optimizer.apply` is captured and applied
   once the step returns, with tau, the pulled weights and the worker handed
   to staleness-aware optimizers as data (`keras_dist.update.UpdateInfo`),
-  under the non-finite policy (`keras_dist.update.NonFinitePolicy`);
-- exact metrics under concurrency: Keras' `Variable.assign_add` is a read
-  then a write, which loses updates when workers race on the parameter
-  servers. The step runs in a `keras.StatelessScope` in which every metric
-  variable starts from zero; what the step added is then added to the real
-  state with TF's atomic `assign_add`. This is exact for any metric whose
-  state is additive (sums and counts: every Keras built-in metric). Other
-  state the step writes (BatchNormalization statistics, seed generators)
-  is assigned after the step: last write wins.
+  under the non-finite policy (`keras_dist.update.NonFinitePolicy`); the
+  optimizer's `iterations` counts with TF's atomic `assign_add`
+  (`keras_dist.update.atomic_iterations`): Keras' read-then-write loses
+  increments when workers race, and costs two transfers in a row;
+- exact metrics under concurrency, without a round trip: the step runs in
+  a `keras.StatelessScope` in which every metric variable starts from zero
+  (and, for later steps of the same execution, from the earlier steps'
+  sums); the execution returns what its steps added and the chief sums
+  these (`ChiefMetrics`), writing the totals to the metric variables at
+  each epoch's end. This is exact for any metric whose state is additive
+  (sums and counts: every Keras built-in metric). Other state the step
+  writes (BatchNormalization statistics, seed generators) is assigned
+  after the step: last write wins.
 
 Validation runs on the chief, reading the current weights from the
 parameter servers.
@@ -36,6 +41,7 @@ import collections
 import logging
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from keras_dist import data as data_lib
@@ -97,11 +103,16 @@ class AsyncExecutor(driver.Executor):
         self._iterator = iter(self.coordinator.create_per_worker_dataset(train_input.dataset))
         self._per_call = max(1, int(getattr(self.model, "steps_per_execution", 1) or 1))
         self.model.staleness_stats = self.stats
+        self.metrics = self.state.metrics
+        # Running metric results for the batch logs cost the chief a compiled
+        # call per execution: only when a callback reads batch logs.
+        self._batch_logs = driver.reads_batch_logs(callbacks)
         workers = len(self.cluster.cluster.get("worker", ())) if self.cluster else 4
         self._window = WINDOW_PER_WORKER * max(1, workers)
 
     def begin_epoch(self):
         super().begin_epoch()
+        self.metrics.reset()
         self.stats.reset()
         if self._aware is not None:
             self._aware.reset_staleness_logs()
@@ -115,7 +126,8 @@ class AsyncExecutor(driver.Executor):
                 k = min(per_call, steps - scheduled)
                 yield driver.BatchBegin(scheduled)
                 fn = self.state.step_function(k, self.faults)
-                with update.intercept_apply(self.model.optimizer):  # traced on first use
+                optimizer = self.model.optimizer
+                with update.intercept_apply(optimizer), update.atomic_iterations(optimizer):
                     remote = self.coordinator.schedule(fn, args=(self._iterator,))
                 pending.append((scheduled + k - 1, k, remote))
                 scheduled += k
@@ -132,17 +144,26 @@ class AsyncExecutor(driver.Executor):
                                "logs are not counted.", end - k + 1, end,
                                type(error).__name__)
                 continue
-            report = step_report.unpack(value, self.state.log_names[k])
+            report = step_report.unpack(value, self.state.log_names[k], self.metrics.size)
             self.stats.add(StepRecord(worker=report.worker, staleness=list(report.staleness),
                                       seconds=report.seconds))
+            self.metrics.add(report.state)
             step = replica_cbs.ReplicaStep.from_report(report, "worker", steps=k)
-            yield driver.BatchEnd(end, report.logs, [step])
+            logs = self.metrics.logs(report.logs) if self._batch_logs else report.logs
+            yield driver.BatchEnd(end, logs, [step])
             if self.model.stop_training:
                 break
         with quiet_tf_logger("WARNING"):  # join() logs at INFO on every call
             self.coordinator.join()
+        for _, k, remote in pending:  # stopped early: what already ran still counts
+            try:
+                self.metrics.add(step_report.unpack(remote.fetch(), self.state.log_names[k],
+                                                    self.metrics.size).state)
+            except _LOST:
+                self.stats.lost_results += 1
 
     def epoch_logs(self, last_logs):
+        self.metrics.write()  # the epoch's totals, where Keras reads them
         logs = super().epoch_logs(last_logs)
         logs.update(self.stats.logs())
         if self._aware is not None:
@@ -172,11 +193,18 @@ class _AsyncState:
         model.__dict__["version_counter"] = self.version
         self._functions = {}
         self.log_names = {}
+        self.metrics = None
+
+    @property
+    def metric_variables(self):
+        return self.metrics.variables
 
     def build(self, sample_batch):
         """Creates optimizer and metric state before training (variables
         cannot be created inside the scheduled functions)."""
         driver.build_for_training(self.model, self.strategy, sample_batch)
+        if self.metrics is None or self.metrics.variables != _metric_variables(self.model):
+            self.metrics = ChiefMetrics(self.model)
         sharded = [w.path for w in self.model.trainable_weights if _sharded(w)]
         if sharded:
             raise ValueError(
@@ -215,53 +243,55 @@ class _AsyncState:
         with tf.control_dependencies([t for t in tf.nest.flatten(batches[0]) if t is not None]):
             start = tf.timestamp()
         taus, writes, step_logs = [], [], {}
-        loss_sum = loss_count = examples = tf.constant(0.0, tf.float64)
+        examples = tf.constant(0.0, tf.float64)
+        # The metrics' state, from zero, summed over the k steps on the worker;
+        # the chief adds it up (`ChiefMetrics`): no metric round trips here.
+        metrics = [tf.zeros(v.shape, v.dtype) for v in self.metric_variables]
         for data in batches:
             with tf.control_dependencies([start] + taus):
                 step_start = tf.timestamp() if taus else start
-                tau, step_writes, step_logs, loss = self._one_step(data, worker, step_start,
-                                                                   faults)
+                tau, step_writes, step_logs, metrics = self._one_step(
+                    data, worker, step_start, faults, metrics)
             taus.append(tau)
             writes += step_writes
-            loss_sum += loss[0]
-            loss_count += loss[1]
             examples += step_report.batch_examples(data)
+        loss_sum, loss_count = self.metrics.loss_state(metrics)
         with tf.control_dependencies(writes + taus):
-            results = model.get_metrics_result()
             seconds = tf.timestamp() - start
-        logs = {name: results[name] if name in results else value
-                for name, value in driver.flatten_logs(step_logs).items()}
-        logs = {name: value for name, value in logs.items() if _is_scalar(value)}
+        logs = {name: value for name, value in driver.flatten_logs(step_logs).items()
+                if _is_scalar(value)}
         names = sorted(logs)
         self.log_names[k] = names
         return step_report.pack(worker, seconds, examples, loss_sum, loss_count, taus,
-                                logs, names)
+                                logs, names, state=metrics)
 
-    def _one_step(self, data, worker, step_start, faults):
-        """`model.train_step(data)` with the version read before it and the
-        update claimed and applied after it (a slowed worker sleeps before
-        the claim: `factor - 1` times the time since `step_start`); returns
-        `(tau, state writes, the step's logs, (loss sum, loss count))`."""
+    def _one_step(self, data, worker, step_start, faults, metrics):
+        """`model.train_step(data)` with the version read with its weights and
+        the update claimed and applied after it (a slowed worker sleeps before
+        the claim: `factor - 1` times the time since `step_start`); the
+        metrics' state starts at `metrics` (tensors). Returns `(tau, state
+        writes, the step's logs, the metrics' new state)`."""
         model, optimizer = self.model, self.model.optimizer
         read = self.version.read()
         slowed = bool(faults and faults.slowed)
-        pulled = None
-        after_read = [read]
+        # The version is read in the same round trip as the weights: no
+        # control edge orders them (each would cost a transfer), so tau counts
+        # the claims between this read and this step's claim.
+        pulled, after_read = None, []
         if _needs_pulled(optimizer):
             # The weights this gradient is computed on, for DC-ASGD / Gap-Aware:
             # read right after the version and before the forward pass's reads.
             with tf.control_dependencies([read]):
                 pulled = [tf.identity(w.value.read_value()) for w in model.trainable_weights]
             after_read = pulled
-        metric_vars = _metric_variables(model)
-        zeros = [tf.zeros(v.shape, v.dtype) for v in metric_vars]
+        metric_vars = self.metric_variables
         captured = []
 
         def capture(original, grads, variables):
             captured.append((original, grads, variables))
 
-        with tf.control_dependencies(after_read):  # every op of the step waits for it
-            with keras.StatelessScope(list(zip(metric_vars, zeros)),
+        with tf.control_dependencies(after_read):
+            with keras.StatelessScope(list(zip(metric_vars, metrics)),
                                       collect_losses=True) as scope:
                 with update.apply_hook(capture):
                     step_logs = model.train_step(data)
@@ -280,8 +310,11 @@ class _AsyncState:
             ready = faults.slow_down(worker, now - step_start, now) or ready
             with tf.control_dependencies(ready):
                 grads = update.identity_all(grads)
+        # The claim waits for the gradients through one small data dependency
+        # (control edges would cost a transfer per gradient).
         with tf.control_dependencies(ready):
-            tau = self.version.increment() - 1 - read
+            one = tf.ones([], tf.int64)
+        tau = self.version.increment(one) - 1 - read
         info = update.UpdateInfo(staleness=tau, pulled=pulled, worker=worker)
 
         def apply_fn(grads, variables):
@@ -293,22 +326,79 @@ class _AsyncState:
 
         self.policy.apply(apply_fn, grads, variables, optimizer=optimizer)
 
-        writes = []
-        loss = (tf.constant(0.0, tf.float64), tf.constant(0.0, tf.float64))
-        for v, zero in zip(metric_vars, zeros):
-            delta = scope.get_current_value(v)
-            if delta is not zero:
-                writes.append(v.value.assign_add(delta))
-        tracker = step_report.loss_tracker(model)
-        if tracker is not None:
-            total, count = (scope.get_current_value(v) for v in tracker)
-            loss = (tf.cast(total, tf.float64), tf.cast(count, tf.float64))
+        metrics = [scope.get_current_value(v) for v in metric_vars]
         metric_ids = {id(v) for v in metric_vars}
+        writes = []
         for v in model.variables:
             new = scope.get_current_value(v)
             if new is not None and id(v) not in metric_ids:
                 writes.append(v.value.assign(new))  # last write wins
-        return tau, writes, step_logs, loss
+        return tau, writes, step_logs, metrics
+
+
+class ChiefMetrics:
+    """The model's metrics during asynchronous training, kept on the chief.
+
+    Each execution returns what its steps added to every metric variable
+    (from zero, in a `keras.StatelessScope`); the chief sums these in the
+    order results arrive and computes the metrics' results from the sums
+    (one compiled call) for the batch logs. Summing is exact for additive
+    metric state -- totals and counts, the state of every Keras built-in
+    metric -- and costs no round trip to a parameter server; the sums are
+    written to the metric variables at the end of each epoch, where Keras'
+    epoch logs (and users) read them.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.variables = _metric_variables(model)
+        ids = [id(v) for v in self.variables]
+        tracker = step_report.loss_tracker(model)
+        self._loss = None if tracker is None else [ids.index(id(v)) for v in tracker]
+        self._sizes = [int(np.prod(v.shape)) for v in self.variables]
+        self.size = sum(self._sizes)
+        self._results = None
+        self.reset()
+
+    def reset(self):
+        self.values = [np.zeros(v.shape, v.dtype) for v in self.variables]
+
+    def add(self, flat):
+        """Adds one execution's flattened additions (float64)."""
+        offset = 0
+        for i, size in enumerate(self._sizes):
+            value = self.values[i]
+            delta = flat[offset:offset + size].reshape(value.shape)
+            self.values[i] = value + delta.astype(value.dtype)
+            offset += size
+
+    def loss_state(self, state):
+        """`(loss_sum, loss_count)` float64 tensors of a metric state list."""
+        if self._loss is None:
+            nan = tf.constant(np.nan, tf.float64)
+            return nan, nan
+        return tuple(tf.cast(state[i], tf.float64) for i in self._loss)
+
+    def logs(self, step_logs):
+        """`step_logs` with each name that is a metric's result read from the sums."""
+        if not self.variables:
+            return step_logs
+        if self._results is None:
+            model, variables = self.model, self.variables
+
+            @tf.function
+            def results(*values):
+                with keras.StatelessScope(list(zip(variables, values))):
+                    return model.get_metrics_result()
+
+            self._results = results
+        results = driver.flatten_logs(self._results(*self.values))
+        return {name: float(results[name]) if name in results else value
+                for name, value in step_logs.items()}
+
+    def write(self):
+        for variable, value in zip(self.variables, self.values):
+            variable.assign(value)
 
 
 def _metric_variables(model):

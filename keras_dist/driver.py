@@ -233,6 +233,26 @@ def build_for_training(model, strategy, sample_batch):
         model.reset_metrics()
 
 
+def reads_batch_logs(callbacks):
+    """Whether any callback may read `on_train_batch_end`'s logs.
+
+    Keras' own default callbacks do not (`History`; the progress bar except
+    at `verbose=1`), nor do keras_dist's `ReplicaCallback`s (fed
+    `ReplicaStep`s); any other callback overriding a train-batch hook may.
+    """
+    plain = (keras.callbacks.Callback.on_train_batch_end,
+             replica_cbs.ReplicaCallback.on_train_batch_end)
+    for cb in getattr(callbacks, "callbacks", callbacks) or ():
+        if isinstance(cb, keras.callbacks.ProgbarLogger):
+            if getattr(cb, "verbose", 1) == 1:
+                return True
+            continue
+        if (type(cb).on_train_batch_end not in plain
+                or type(cb).on_batch_end is not keras.callbacks.Callback.on_batch_end):
+            return True
+    return False
+
+
 def metrics_or_logs(model, logs):
     """Keras' rule: the model's metrics when the step returned exactly them.
 

@@ -50,9 +50,13 @@ class VersionCounter:
         """The current version (a scalar int64 tensor)."""
         return self.variable.read_value()
 
-    def increment(self):
-        """Atomically adds one; returns the new version."""
-        return self.variable.assign_add(1, read_value=True)
+    def increment(self, one=1):
+        """Atomically adds one; returns the new version.
+
+        `one` may be a tensor (equal to 1) computed where the claim should
+        wait: a single data dependency instead of control edges.
+        """
+        return self.variable.assign_add(one, read_value=True)
 
     def count_skipped(self):
         """Atomically counts one skipped update; returns a true bool tensor."""

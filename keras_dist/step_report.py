@@ -4,7 +4,7 @@ Both executors measure, on the replica or worker that ran an execution of
 `steps_per_execution` train steps, the same fields, and send them back as
 one float64 vector (one tensor: a single copy to the chief):
 
-    [logs..., worker, seconds, examples, loss_sum, loss_count, tau_1 ... tau_k]
+    [state..., logs..., worker, seconds, examples, loss_sum, loss_count, tau_1 ... tau_k]
 
 `logs` are the execution's metric results (asynchronous training only; the
 synchronous executor reduces its logs the Keras way). `loss_sum` and
@@ -36,6 +36,8 @@ class StepReport:
         loss: Float. Mean loss of the execution's examples (NaN if unknown).
         staleness: Tuple of integers, one tau per update (empty when synchronous).
         logs: Dict of the execution's metric results (asynchronous only).
+        state: Float64 array. What the execution added to the metrics'
+            variables, flattened (asynchronous only; empty otherwise).
     """
 
     worker: int
@@ -44,9 +46,11 @@ class StepReport:
     loss: float
     staleness: Tuple[int, ...] = ()
     logs: Dict[str, float] = dataclasses.field(default_factory=dict)
+    state: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
 
 
-def pack(worker, seconds, examples, loss_sum, loss_count, taus=(), logs=None, names=()):
+def pack(worker, seconds, examples, loss_sum, loss_count, taus=(), logs=None, names=(),
+         state=()):
     """The float64 vector of one execution (in a traced function).
 
     Args:
@@ -54,16 +58,19 @@ def pack(worker, seconds, examples, loss_sum, loss_count, taus=(), logs=None, na
         taus: Sequence of scalar tensors, one per update.
         logs: Dict of scalar tensors, packed in the order of `names`.
         names: Sequence of the `logs` keys to pack.
+        state: Sequence of tensors of any shape, flattened in front.
     """
-    head = [tf.cast(logs[n], tf.float64) for n in names]
+    head = [tf.cast(tf.reshape(t, [-1]), tf.float64) for t in state]
+    head += [tf.reshape(tf.cast(logs[n], tf.float64), [1]) for n in names]
     fields = [tf.cast(v, tf.float64) for v in (worker, seconds, examples, loss_sum, loss_count)]
     tail = [tf.cast(t, tf.float64) for t in taus]
-    return tf.stack(head + fields + tail)
+    return tf.concat(head + [tf.stack(fields + tail)], axis=0)
 
 
-def unpack(vector, names: Sequence[str] = ()) -> StepReport:
+def unpack(vector, names: Sequence[str] = (), state_size: int = 0) -> StepReport:
     """The `StepReport` of one packed vector (a tensor or array)."""
     values = vector.numpy() if hasattr(vector, "numpy") else np.asarray(vector)
+    state, values = values[:state_size], values[state_size:]
     n = len(names)
     worker, seconds, examples, loss_sum, loss_count = values[n:n + len(FIELDS)]
     taus = tuple(int(t) for t in values[n + len(FIELDS):])
@@ -72,7 +79,8 @@ def unpack(vector, names: Sequence[str] = ()) -> StepReport:
         examples=None if np.isnan(examples) else int(examples),
         loss=float(loss_sum / loss_count) if loss_count > 0 else math.nan,
         staleness=taus,
-        logs={name: float(v) for name, v in zip(names, values[:n])})
+        logs={name: float(v) for name, v in zip(names, values[:n])},
+        state=state)
 
 
 def loss_tracker(model):

@@ -62,6 +62,37 @@ def intercept_apply(optimizer):
         optimizer.__dict__.pop("apply", None)
 
 
+@contextlib.contextmanager
+def atomic_iterations(optimizer):
+    """Makes each optimizer's step counter (`iterations`) count atomically.
+
+    Keras increments `iterations` with `Variable.assign_add`, which is a
+    read followed by a write: on a parameter server shared by workers that
+    loses increments (two workers read 5 and both write 6) and costs two
+    transfers in a row. In the block (while an asynchronous step is traced)
+    it is TF's atomic `assign_add` on the variable itself: one transfer, no
+    lost count. A chain with a `LossScaleOptimizer` (which updates its
+    state in `keras.StatelessScope`s) is left as it is.
+    """
+    patched = []
+    if not any(skips_itself(o) for o in optimizer_chain(optimizer)):
+        for o in optimizer_chain(optimizer):
+            counter = getattr(o, "iterations", None)
+            if counter is None or "assign_add" in counter.__dict__:
+                continue
+
+            def assign_add(value, counter=counter):
+                return counter.value.assign_add(tf.cast(value, counter.value.dtype))
+
+            counter.__dict__["assign_add"] = assign_add
+            patched.append(counter)
+    try:
+        yield
+    finally:
+        for counter in patched:
+            counter.__dict__.pop("assign_add", None)
+
+
 def apply_hook(hook):
     """Sets this thread's hook, `hook(original_apply, grads, variables)`, for
     the block."""

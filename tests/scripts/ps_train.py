@@ -40,14 +40,18 @@ def main(out_dir):
     class CountBatches(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
             batches.append(batch)
-            # Results arrive in order, so at an epoch's last batch every update
-            # of the epoch is done: the "loss" mean's count is its examples.
+
+        def on_epoch_end(self, epoch, logs=None):
+            # The chief writes the epoch's metric sums where Keras reads them:
+            # the "loss" mean's count is then the epoch's examples (epochs
+            # without validation, which resets the metrics before this).
             counted.append(float(self.model.metrics[0].variables[1].numpy()))
 
     epochs, steps = 4, 45
     history = kd.fit(build_model, x, y, strategy=strategy, epochs=epochs,
                      steps_per_epoch=steps, batch_size=32, verbose=2,
-                     validation_data=(x_test, y_test), callbacks=[CountBatches()])
+                     validation_data=(x_test, y_test), validation_freq=[1, 2, 3],
+                     callbacks=[CountBatches()])
     model = history.model
     loss_count = counted[-1]
     result = model.evaluate(x_test, y_test, return_dict=True, verbose=0)
@@ -62,6 +66,7 @@ def main(out_dir):
             "history": history.history,
             "test_accuracy": result["accuracy"],
             "version": model.version,
+            "iterations": int(model.optimizer.iterations.numpy()),
             "scheduled_steps": epochs * steps,
             "batches_seen": len(batches),
             "updates_per_worker": {str(k): v for k, v in stats.updates_per_worker().items()},
