@@ -38,6 +38,7 @@ parameter servers.
 """
 
 import collections
+import contextlib
 import logging
 
 import keras
@@ -46,6 +47,7 @@ import tensorflow as tf
 
 from keras_dist import data as data_lib
 from keras_dist import driver
+from keras_dist import local_steps as local_steps_lib
 from keras_dist import step_report
 from keras_dist import update
 from keras_dist.callbacks import base as replica_cbs
@@ -78,8 +80,11 @@ class AsyncExecutor(driver.Executor):
 
     parameter_server = True
 
-    def __init__(self, model, strategy, **kwargs):
+    def __init__(self, model, strategy, local_steps=1, outer_optimizer=None, **kwargs):
         super().__init__(model, strategy, **kwargs)
+        self.local_steps = local_steps_lib.check(model, strategy, local_steps, outer_optimizer)
+        self.outer_optimizer = outer_optimizer
+        self._local = self.local_steps > 1 or outer_optimizer is not None
         self.coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
         self._evaluator = SyncExecutor(model, tf.distribute.get_strategy(), cluster=self.cluster)
         self.stats = StalenessStats()
@@ -102,6 +107,11 @@ class AsyncExecutor(driver.Executor):
         self._aware = staleness_aware_in(self.model.optimizer)
         self._iterator = iter(self.coordinator.create_per_worker_dataset(train_input.dataset))
         self._per_call = max(1, int(getattr(self.model, "steps_per_execution", 1) or 1))
+        if self._local:
+            self.outer_optimizer = local_steps_lib.build_outer(
+                self.outer_optimizer, self.model, self.strategy)
+            self.model.__dict__["outer_optimizer"] = self.outer_optimizer
+            self._per_call = self.local_steps
         self.model.staleness_stats = self.stats
         self.metrics = self.state.metrics
         # Running metric results for the batch logs cost the chief a compiled
@@ -125,9 +135,12 @@ class AsyncExecutor(driver.Executor):
             while scheduled < steps and len(pending) < self._window:
                 k = min(per_call, steps - scheduled)
                 yield driver.BatchBegin(scheduled)
-                fn = self.state.step_function(k, self.faults)
+                fn = self.state.step_function(k, self.faults, local=self._local,
+                                              outer=self.outer_optimizer)
                 optimizer = self.model.optimizer
-                with update.intercept_apply(optimizer), update.atomic_iterations(optimizer):
+                counting = (contextlib.nullcontext() if self._local  # stateless: counted by delta
+                            else update.atomic_iterations(optimizer))
+                with update.intercept_apply(optimizer), counting:
                     remote = self.coordinator.schedule(fn, args=(self._iterator,))
                 pending.append((scheduled + k - 1, k, remote))
                 scheduled += k
@@ -216,22 +229,28 @@ class _AsyncState:
                 "variable_partitioner (the variables are then placed whole, "
                 "round-robin over the parameter servers).")
 
-    def step_function(self, k, faults):
-        """The `tf.function` running `k` steps on a worker; cached (like
-        Keras' `train_function`) so later epochs and `fit` calls do not
-        retrace. Keyed by the optimizer too: a new compile() must not reuse
-        a function that captured the old optimizer."""
-        key = (id(self.model.optimizer), k, faults.key if faults else ())
+    def step_function(self, k, faults, local=False, outer=None):
+        """The `tf.function` running `k` steps on a worker (with `local`: one
+        round of local steps, `keras_dist.local_steps`); cached (like Keras'
+        `train_function`) so later epochs and `fit` calls do not retrace.
+        Keyed by the optimizers too: a new compile() must not reuse a
+        function that captured the old optimizer."""
+        key = (id(self.model.optimizer), k, faults.key if faults else (), local, id(outer))
         if key not in self._functions:
             strategy = self.strategy
+
+            def replica_fn(*batches):
+                if local:
+                    worker = tf.distribute.coordinator.experimental_get_current_worker_index()
+                    return local_steps_lib.local_round(self, batches, worker, faults, outer)
+                return self._replica_steps(batches, k, faults)
 
             @tf.function
             def run_steps(iterator):
                 # Batches are taken outside strategy.run: a distributed
                 # dataset_fn's iterator refuses next() inside the replica fn.
                 batches = [next(iterator) for _ in range(k)]
-                return strategy.run(lambda *b: self._replica_steps(b, k, faults),
-                                    args=tuple(batches))
+                return strategy.run(replica_fn, args=tuple(batches))
 
             self._functions[key] = run_steps
         return self._functions[key]

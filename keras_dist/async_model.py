@@ -100,17 +100,37 @@ class AsyncModel(keras.Model):
         return async_model
 
     # ----------------------------------------------------------------- training
-    def fit(self, x=None, y=None, **kwargs):
+    def fit(self, x=None, y=None, local_steps=1, outer_optimizer=None, **kwargs):
+        """`keras.Model.fit`, plus local steps under parameter servers.
+
+        Args:
+            local_steps: Integer >= 1. Under parameter servers, each worker
+                pulls the weights once, takes this many steps on its own
+                copy and pushes the change (Downpour / local SGD; see
+                docs/local-steps.md). 1 (the default): every step updates
+                the parameter servers.
+            outer_optimizer: A `keras.optimizers.Optimizer` or `None`. With
+                it, a push applies the pseudo-gradient `-(w_local - w_pulled)`
+                with this optimizer on the parameter servers (DiLoCo);
+                staleness-aware wrappers go here. `None`: the change is added.
+            **kwargs: `keras.Model.fit`'s arguments.
+        """
+        from keras_dist import local_steps as local_steps_lib
+
         strategy = self.distribute_strategy
+        if not isinstance(strategy, tf.distribute.ParameterServerStrategy):
+            serve_if_serving_task()  # a worker / ps task of the cluster serves here
+        local_steps_lib.check(self, strategy, local_steps, outer_optimizer)
         if isinstance(strategy, tf.distribute.ParameterServerStrategy):
             from keras_dist import driver
             from keras_dist.async_executor import AsyncExecutor
 
-            executor = AsyncExecutor(self, strategy, nonfinite_updates=self.nonfinite_updates,
+            executor = AsyncExecutor(self, strategy, local_steps=local_steps,
+                                     outer_optimizer=outer_optimizer,
+                                     nonfinite_updates=self.nonfinite_updates,
                                      faults=testing.faults_from_env(),
                                      cluster=ClusterConfig.from_env())
             return driver.fit(executor, x, y, **kwargs)
-        serve_if_serving_task()
         return super().fit(x, y, **kwargs)
 
     @property

@@ -17,6 +17,7 @@ import keras
 import tensorflow as tf
 
 from keras_dist import driver
+from keras_dist import local_steps as local_steps_lib
 from keras_dist import strategy as strategy_lib
 from keras_dist import testing
 from keras_dist import update
@@ -30,7 +31,7 @@ logger = logging.getLogger("keras_dist")
 
 
 def fit(model, x=None, y=None, *, strategy="auto", cluster=None, nonfinite_updates=None,
-        **fit_kwargs):
+        local_steps=1, outer_optimizer=None, **fit_kwargs):
     """Trains a Keras model with the right `tf.distribute` strategy.
 
     Same arguments and return value as `keras.Model.fit`, plus the choice of
@@ -71,6 +72,14 @@ def fit(model, x=None, y=None, *, strategy="auto", cluster=None, nonfinite_updat
             it (`skipped_nonfinite` in the logs of an epoch that skipped one)
             or raise. Keras' own loop (one device) applies such updates as
             Keras does; there it warns if this is given.
+        local_steps: Integer >= 1. Parameter servers only: each worker pulls
+            the weights once, takes `local_steps` steps on its copy and
+            pushes the change (Downpour / local SGD, docs/local-steps.md).
+            Defaults to 1 (every step updates the parameter servers); more
+            raises `ValueError` under any other strategy.
+        outer_optimizer: A Keras optimizer or `None`. Parameter servers
+            only: applies each push's pseudo-gradient on the parameter
+            servers (DiLoCo); `None` adds the change.
         **fit_kwargs: Any other argument of `keras.Model.fit` (`epochs`,
             `batch_size`, `callbacks`, `validation_data`, ...).
 
@@ -113,11 +122,14 @@ def fit(model, x=None, y=None, *, strategy="auto", cluster=None, nonfinite_updat
     model = _model_in_scope(model, dist)
     mode = nonfinite_updates or getattr(model, "nonfinite_updates", None) or "skip"
     setup = dict(nonfinite_updates=mode, faults=testing.faults_from_env(), cluster=cluster)
+    local_steps_lib.check(model, dist, local_steps, outer_optimizer)
     if isinstance(dist, tf.distribute.ParameterServerStrategy):
         if _convertible(model):
             with dist.scope():
                 model = AsyncModel.from_model(model)
-        return driver.fit(AsyncExecutor(model, dist, **setup), x, y, **fit_kwargs)
+        return driver.fit(AsyncExecutor(model, dist, local_steps=local_steps,
+                                        outer_optimizer=outer_optimizer, **setup),
+                          x, y, **fit_kwargs)
     if _needs_own_loop(dist):
         return driver.fit(SyncExecutor(model, dist, **setup), x, y, **fit_kwargs)
     if nonfinite_updates is not None:

@@ -1,0 +1,243 @@
+"""Local steps on parameter-server workers: Downpour / local SGD / DiLoCo.
+
+With `local_steps=k`, each scheduled execution on a worker
+
+1. pulls the weights, the non-trainable state and the optimizer's state
+   once (one round trip, together with the parameter version);
+2. runs k training steps on that copy with Keras 3's stateless API
+   (`keras.StatelessScope` around the model, `stateless_apply` for the
+   optimizer -- see `keras_dist.stateless`): Keras' own loss, metrics and
+   update rules, no round trip;
+3. pushes the change `delta = w_k - w_pulled` with TF's atomic
+   `assign_add` (the optimizer's state likewise: its change is added), or,
+   with an `outer_optimizer`, applies the pseudo-gradient `-delta` with
+   that optimizer on the parameter servers (DiLoCo, async local SGD).
+
+This is Downpour SGD with n_fetch = n_push = k (Dean et al. 2012), local
+SGD (Stich 2019; Lin et al. 2020) in its asynchronous form and, with an
+outer optimizer, DiLoCo (Douillard et al. 2023) / async local SGD (Liu et
+al. 2024). Round trips to the parameter servers fall k-fold. Staleness
+counts pushes: the version is read at the pull and claimed at the push.
+
+One worker without an outer optimizer computes exactly k sequential steps
+of the same optimizer (the push adds `w_k - w_0` to `w_0`: equal up to one
+float rounding).
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_dist import stateless
+from keras_dist import step_report
+from keras_dist import update
+from keras_dist.optimizers.base import StalenessAwareOptimizer
+
+
+def check(model, strategy, local_steps, outer_optimizer):
+    """Validates the local-steps options; returns `local_steps` as an int.
+
+    Raises:
+        ValueError: for `local_steps` < 1 or not an integer, local steps
+            under a synchronous strategy, together with
+            `steps_per_execution` > 1, with a custom `train_step`, or with
+            an optimizer that cannot step on tensors.
+    """
+    if isinstance(local_steps, bool) or not isinstance(local_steps, (int, np.integer)) \
+            or local_steps < 1:
+        raise ValueError(
+            f"`local_steps` must be an integer >= 1 (1: every step updates the "
+            f"parameter servers). Received: local_steps={local_steps!r}.")
+    local_steps = int(local_steps)
+    if outer_optimizer is not None and not isinstance(outer_optimizer,
+                                                      keras.optimizers.Optimizer):
+        raise ValueError(
+            "`outer_optimizer` must be a keras.optimizers.Optimizer instance (e.g. "
+            "keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)). Received: "
+            f"outer_optimizer={outer_optimizer!r}.")
+    if local_steps == 1 and outer_optimizer is None:
+        return 1
+    if not isinstance(strategy, tf.distribute.ParameterServerStrategy):
+        raise ValueError(
+            f"local_steps={local_steps} and outer_optimizer need parameter servers "
+            f"(ParameterServerStrategy); the strategy is {type(strategy).__name__}. "
+            "Under a synchronous strategy every step is already averaged over all "
+            "replicas: drop `local_steps` / `outer_optimizer` there (a script that "
+            "runs both ways can pass local_steps only when "
+            "isinstance(strategy, tf.distribute.ParameterServerStrategy)).")
+    spe = int(getattr(model, "steps_per_execution", 1) or 1)
+    if spe > 1 and local_steps > 1:
+        raise ValueError(
+            f"local_steps={local_steps} with steps_per_execution={spe}: an execution "
+            "of local steps is already `local_steps` steps on the worker. Compile with "
+            "steps_per_execution=1, or use steps_per_execution alone (every step then "
+            "updates the parameter servers).")
+    if type(model).train_step is not keras.Model.train_step:
+        raise ValueError(
+            f"{type(model).__name__} overrides train_step; local steps run Keras' "
+            "default step on tensors (the variables stay on the parameter servers) and "
+            "cannot run a custom one. Train with local_steps=1 (your train_step then "
+            "runs on every update), or move the custom logic into compute_loss.")
+    optimizer = model.optimizer
+    if not stateless.supports(optimizer):
+        hint = ""
+        if isinstance(optimizer, StalenessAwareOptimizer):
+            hint = (" A staleness-aware wrapper acts on pushes: pass it as "
+                    "outer_optimizer=kd.optimizers.DynSGD(keras.optimizers.SGD(1.0)) "
+                    "and compile the model with its inner optimizer.")
+        raise ValueError(
+            f"Local steps need a plain Keras optimizer on the model (it steps on the "
+            f"worker's copy); got {type(optimizer).__name__}.{hint}")
+    return local_steps
+
+
+def build_outer(outer_optimizer, model, strategy):
+    """`outer_optimizer`, built for the model's trainable variables on the
+    parameter servers. One created outside the strategy's scope (Keras
+    optimizers make their step counter when constructed) is re-created from
+    its config inside it; the returned optimizer is the one that trains."""
+    if outer_optimizer is None or outer_optimizer.built:
+        return outer_optimizer
+    with strategy.scope():
+        try:
+            outer_optimizer.build(model.trainable_variables)
+        except RuntimeError:  # "Mixing different tf.distribute.Strategy objects"
+            outer_optimizer = type(outer_optimizer).from_config(outer_optimizer.get_config())
+            outer_optimizer.build(model.trainable_variables)
+    return outer_optimizer
+
+
+def local_round(state, batches, worker, faults, outer_optimizer):
+    """One pull, `len(batches)` local steps and one push, on a worker.
+
+    `state` is the executor's `_AsyncState`. Returns the packed
+    `step_report` vector (one tau: the push's).
+    """
+    model, optimizer = state.model, state.model.optimizer
+    trainable = list(model.trainable_variables)
+    non_trainable = list(model.non_trainable_variables)
+    metric_vars = state.metric_variables
+    opt_vars = list(optimizer.variables)
+    with tf.control_dependencies([t for t in tf.nest.flatten(batches[0]) if t is not None]):
+        start = tf.timestamp()
+    # The pull: version, weights, other state, optimizer state; one round trip.
+    read = state.version.read()
+    w0 = [v.value.read_value() for v in trainable]
+    nt0 = [v.value.read_value() for v in non_trainable]
+    nt = list(nt0)
+    opt0 = [v.value.read_value() for v in opt_vars]
+    w, opt = list(w0), list(opt0)
+    metrics = [tf.zeros(v.shape, v.dtype) for v in metric_vars]
+    tracker = next((m for m in model.metrics if m.name == "loss"), None)
+    examples = tf.constant(0.0, tf.float64)
+    logs = {}
+    for data in batches:
+        w, nt, metrics, opt, logs = _local_step(model, optimizer, data, trainable, w,
+                                                non_trainable, nt, metric_vars, metrics,
+                                                opt, tracker)
+        examples += step_report.batch_examples(data)
+    delta = [new - old for new, old in zip(w, w0)]
+    ready = list(delta)
+    slowed = bool(faults and faults.slowed)
+    if slowed:  # this round takes `factor` times as long
+        with tf.control_dependencies(ready):
+            now = tf.timestamp()
+        ready = faults.slow_down(worker, now - start, now) or ready
+    with tf.control_dependencies(ready):
+        one = tf.ones([], tf.int64)
+    tau = state.version.increment(one) - 1 - read
+    writes = _push(state, outer_optimizer, trainable, delta, opt_vars, opt, opt0,
+                   non_trainable, nt, nt0, tau, worker, w0)
+    with tf.control_dependencies(writes + [tau]):
+        seconds = tf.timestamp() - start
+    loss_sum, loss_count = state.metrics.loss_state(metrics)
+    logs = {name: value for name, value in logs.items()
+            if tf.is_tensor(value) and value.shape.rank == 0}
+    names = sorted(logs)
+    state.log_names[len(batches)] = names
+    return step_report.pack(worker, seconds, examples, loss_sum, loss_count, [tau],
+                            logs, names, state=metrics)
+
+
+def _local_step(model, optimizer, data, trainable, w, non_trainable, nt, metric_vars,
+                metrics, opt, tracker):
+    """Keras' default `train_step` on tensors: returns the new state."""
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    mapping = (list(zip(trainable, w)) + list(zip(non_trainable, nt))
+               + list(zip(metric_vars, metrics)))
+    with tf.GradientTape() as tape:
+        tape.watch(w)
+        with keras.StatelessScope(mapping, collect_losses=True) as scope:
+            y_pred = model(x, training=True)
+            loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                                      training=True)
+            if tracker is not None:
+                first = next(t for t in tf.nest.flatten(x) if t is not None)
+                tracker.update_state(loss, sample_weight=tf.shape(first)[0])
+            logs = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+    grads = tape.gradient(loss, w)
+    w, opt = stateless.stateless_apply(optimizer, opt, grads, w)
+    nt = [_current(scope, v, old) for v, old in zip(non_trainable, nt)]
+    metrics = [_current(scope, v, old) for v, old in zip(metric_vars, metrics)]
+    return list(w), nt, metrics, list(opt), _flat(logs)
+
+
+def _push(state, outer, trainable, delta, opt_vars, opt, opt0, non_trainable, nt, nt0,
+          tau, worker, pulled):
+    """Adds the round's change to the parameter servers (or applies it with
+    the outer optimizer), under the non-finite policy."""
+    policy = state.policy
+    finite = update.all_finite(delta)
+    writes = []
+    if policy.mode == "raise":
+        writes.append(tf.debugging.Assert(finite, [
+            "keras_dist: a round of local steps ended with non-finite weights (NaN or "
+            "Inf); to skip such rounds instead, pass nonfinite_updates='skip'"]))
+    with tf.control_dependencies(writes):
+        keep = tf.cast(finite, tf.float32)
+        if outer is None:
+            for v, d in zip(trainable, delta):
+                writes.append(v.value.assign_add(tf.where(finite, d, tf.zeros_like(d))))
+        else:
+            info = update.UpdateInfo(staleness=tau, pulled=pulled, worker=worker)
+
+            def apply_fn(grads, variables):
+                if isinstance(outer, StalenessAwareOptimizer):
+                    outer.apply(grads, variables, update=info)
+                    return
+                with update.providing(info):
+                    outer.apply(grads, variables)
+
+            pseudo = [-d for d in delta]
+            policy.apply(apply_fn, pseudo, trainable, finite=finite, optimizer=outer)
+        # The optimizer's own state (slots, iterations): its change is added.
+        for v, new, old in zip(opt_vars, opt, opt0):
+            if new is old:
+                continue
+            change = new - old
+            if change.dtype.is_floating:
+                change = change * tf.cast(keep, change.dtype)
+            else:
+                change = change * tf.cast(finite, change.dtype)
+            writes.append(v.value.assign_add(change))
+        for v, new, old in zip(non_trainable, nt, nt0):
+            if new is not old:  # BatchNormalization statistics: last write wins
+                writes.append(v.value.assign(tf.where(finite, new, old)))
+        if outer is None and policy.mode == "skip" and policy.counter is not None:
+            writes.append(policy.counter.assign_add(tf.cast(tf.logical_not(finite), tf.int64)))
+    return writes
+
+
+def _current(scope, variable, old):
+    new = scope.get_current_value(variable)
+    return old if new is None else new
+
+
+def _flat(logs):
+    flat = {}
+    for name, value in (logs or {}).items():
+        if isinstance(value, dict):
+            flat.update(_flat(value))
+        else:
+            flat[name] = value
+    return flat

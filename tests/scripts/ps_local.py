@@ -1,0 +1,142 @@
+"""Local steps on a real parameter-server cluster; run by keras-dist-run.
+
+The chief writes out_dir/result.json with three checks:
+
+- "one_round": for SGD, SGD with momentum and Adam, one scheduled round of
+  K local steps (one worker) against Keras' own `model.fit` on one device
+  for the same K batches from the same weights: the largest weight and
+  optimizer-state difference.
+- "sum": a linear model whose gradient does not depend on its weights
+  (loss = mean(x @ w)), two workers racing: every round's change is then
+  known from the batches alone, so the parameter servers must end at
+  w0 - lr * (sum of the batch gradients of every round each worker ran).
+- "train": the digits MLP with local steps and with an outer optimizer
+  (Nesterov, DiLoCo style): test accuracy, version (= pushes), staleness.
+- "errors": the messages of what local steps refuse on a parameter-server
+  chief (steps_per_execution > 1, a custom train_step, a wrapper as the
+  model's optimizer).
+
+argv: out_dir.
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+
+import keras_dist as kd
+
+strategy = kd.resolve_strategy()
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from keras_dist.datasets import load_digits  # noqa: E402
+
+K = 4
+(X, Y), (X_TEST, Y_TEST) = load_digits()
+
+
+def mlp(optimizer):
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"),
+                              keras.layers.Dense(10, activation="softmax")])
+    model.compile(optimizer, "sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def one_round(make_optimizer):
+    keras.utils.set_random_seed(1)
+    local = mlp(make_optimizer())
+    init = [w.numpy() for w in local.weights]
+    with strategy.scope():
+        remote = kd.AsyncModel.from_model(mlp(make_optimizer()))
+    remote.set_weights(init)
+    remote.fit(X[:32 * K], Y[:32 * K], batch_size=32, epochs=1, steps_per_epoch=K,
+               shuffle=False, verbose=0, local_steps=K)
+    local.fit(X[:32 * K], Y[:32 * K], batch_size=32, epochs=1, shuffle=False, verbose=0)
+    weights = max(float(np.abs(a.numpy() - b.numpy()).max())
+                  for a, b in zip(local.weights, remote.weights))
+    slots = max([float(np.abs(np.asarray(a.numpy(), np.float64) - b.numpy()).max())
+                 for a, b in zip(local.optimizer.variables, remote.optimizer.variables)])
+    return {"weights": weights, "optimizer_state": slots,
+            "iterations": int(remote.optimizer.iterations.numpy()), "version": remote.version}
+
+
+def racing_sum():
+    lr, rounds = 0.01, 24
+    x = np.abs(np.random.default_rng(0).normal(size=(32 * K * rounds, 8))).astype("float32")
+
+    def mean_output(y_true, y_pred):
+        return keras.ops.mean(y_pred)
+
+    with strategy.scope():
+        inputs = keras.Input((8,))
+        model = kd.AsyncModel(inputs, keras.layers.Dense(1, use_bias=False)(inputs))
+        model.compile(keras.optimizers.SGD(lr), mean_output)
+    w0 = model.weights[0].numpy().copy()
+    model.fit(x, np.zeros((len(x), 1), "float32"), batch_size=32, epochs=1,
+              steps_per_epoch=K * rounds, shuffle=False, verbose=0, local_steps=K)
+    per_worker = model.staleness_stats.updates_per_worker()
+    # Each worker reads the data from its start: its r rounds took batches 0 .. r*K-1.
+    batch_grads = x.reshape(-1, 32, 8).mean(axis=1)
+    expected = w0[:, 0] - lr * sum(batch_grads[:r * K].sum(axis=0) for r in per_worker.values())
+    return {"rounds_per_worker": {str(k): v for k, v in per_worker.items()},
+            "max_difference": float(np.abs(model.weights[0].numpy()[:, 0] - expected).max()),
+            "total_change": float(np.abs(w0[:, 0] - expected).max()),
+            "version": model.version}
+
+
+def train(outer):
+    keras.utils.set_random_seed(2)
+    with strategy.scope():
+        model = kd.AsyncModel.from_model(mlp(keras.optimizers.SGD(0.05, momentum=0.9)))
+    history = model.fit(X, Y, batch_size=32, epochs=6, steps_per_epoch=40 * K, verbose=0,
+                        local_steps=K, outer_optimizer=outer,
+                        validation_data=(X_TEST, Y_TEST))
+    return {"test_accuracy": model.evaluate(X_TEST, Y_TEST, verbose=0, return_dict=True)[
+                "accuracy"],
+            "version": model.version, "history": history.history,
+            "updates_per_worker": {str(k): v for k, v in
+                                   model.staleness_stats.updates_per_worker().items()}}
+
+
+def errors():
+    class Custom(kd.AsyncModel):
+        def train_step(self, data):
+            return super().train_step(data)
+
+    messages = {}
+    with strategy.scope():
+        spe = kd.AsyncModel.from_model(mlp("sgd"))
+        spe.compile("sgd", "sparse_categorical_crossentropy", steps_per_execution=2)
+        inputs = keras.Input((64,))
+        custom = Custom(inputs, keras.layers.Dense(10, activation="softmax")(inputs))
+        custom.compile("sgd", "sparse_categorical_crossentropy")
+        wrapped = kd.AsyncModel.from_model(mlp(kd.optimizers.DynSGD(keras.optimizers.SGD())))
+    for name, model in {"steps_per_execution": spe, "train_step": custom,
+                        "wrapper": wrapped}.items():
+        try:
+            model.fit(X[:64], Y[:64], batch_size=32, epochs=1, verbose=0, local_steps=K)
+            messages[name] = None
+        except ValueError as error:
+            messages[name] = str(error)
+    return messages
+
+
+def main(out_dir):
+    result = {"one_round": {name: one_round(make) for name, make in {
+        "sgd": lambda: keras.optimizers.SGD(0.1),
+        "momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+        "adam": lambda: keras.optimizers.Adam(0.01)}.items()},
+        "sum": racing_sum(),
+        "train": train(None),
+        # Outer momentum amplifies stale pushes: lr / (1 - momentum) near 1.
+        "train_outer": train(keras.optimizers.SGD(0.7, momentum=0.3, nesterov=True)),
+        "errors": errors()}
+    with open(os.path.join(out_dir, "result.json"), "w") as f:
+        json.dump(result, f, default=float)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
