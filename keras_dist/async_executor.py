@@ -86,7 +86,8 @@ class AsyncExecutor(driver.Executor):
         self.outer_optimizer = outer_optimizer
         self._local = self.local_steps > 1 or outer_optimizer is not None
         self.coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
-        self._evaluator = SyncExecutor(model, tf.distribute.get_strategy(), cluster=self.cluster)
+        self._evaluator = SyncExecutor.for_evaluation(model, tf.distribute.get_strategy(),
+                                                      cluster=self.cluster)
         self.stats = StalenessStats()
 
     make_train_input = staticmethod(data_lib.per_worker_input)

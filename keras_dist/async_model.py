@@ -153,7 +153,8 @@ class AsyncModel(keras.Model):
 
         # On the chief, under the default strategy, reading the weights on
         # the parameter servers.
-        return driver.evaluate(SyncExecutor(self, tf.distribute.get_strategy()), x, y,
+        return driver.evaluate(SyncExecutor.for_evaluation(self, tf.distribute.get_strategy()),
+                               x, y,
                                batch_size=batch_size, verbose=verbose,
                                sample_weight=sample_weight, steps=steps,
                                callbacks=callbacks, return_dict=return_dict)
@@ -166,7 +167,11 @@ class AsyncModel(keras.Model):
             x).batch(batch_size or 32)
         if steps is not None:
             dataset = dataset.take(steps)
-        predict = tf.function(lambda batch: self(batch, training=False))
+        predict = self.__dict__.get("_kd_predict")
+        if predict is None:  # compiled once, as Keras keeps its predict_function
+            predict = tf.function(lambda batch: self(batch, training=False),
+                                  reduce_retracing=True)  # a last, smaller batch
+            self.__dict__["_kd_predict"] = predict
         outputs = [predict(keras.utils.unpack_x_y_sample_weight(b)[0]) for b in dataset]
         return tf.nest.map_structure(lambda *parts: np.concatenate(
             [p.numpy() for p in parts]), *outputs)

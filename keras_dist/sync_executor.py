@@ -62,6 +62,19 @@ class SyncExecutor(driver.Executor):
         self._train_fns = self._eval_fns = None
         self._iterator = None
 
+    @classmethod
+    def for_evaluation(cls, model, strategy, cluster=None):
+        """The model's evaluation executor under `strategy`, kept on the model
+        (like Keras' `test_function`) so later `evaluate` calls, validation
+        in later `fit` calls and later epochs reuse its compiled steps
+        instead of tracing them again; a new one after `compile()`."""
+        key = (id(strategy), id(model.optimizer), tuple(id(m) for m in model.metrics))
+        cached = model.__dict__.get("_kd_evaluator")
+        if cached is None or cached[0] != key:
+            cached = (key, cls(model, strategy, cluster=cluster))
+            model.__dict__["_kd_evaluator"] = cached  # outside Keras' attribute tracking
+        return cached[1]
+
     # -------------------------------------------------------------- training
     def begin_training(self, train_input, callbacks):
         model = self.model

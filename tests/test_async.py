@@ -175,3 +175,17 @@ def test_custom_train_step_runs_on_parameter_servers(tmp_path):
     assert result["frozen"]["largest_change"] == 0.0
     assert result["frozen"]["history"]["loss"] == [0.0] * 3
     assert result["learning"]["test_accuracy"] >= 0.9
+
+
+def test_no_retracing_under_parameter_servers(tmp_path):
+    """Two fits of 3 epochs with validation, two evaluates and three
+    predicts of other sizes trace each step once (predict: once more for a
+    smaller last batch); local steps trace their round once for both fits."""
+    counts, _ = run_script(tmp_path, "ps_traces.py")
+    assert counts["first_fit"]["train_step"] == 1
+    assert counts["first_fit"]["test_step"] == 1
+    assert counts["second_fit"]["train_step"] == 1
+    assert counts["second_fit"]["test_step"] == 1
+    assert counts["evaluate"]["test_step"] == 1
+    assert counts["predict_call_traces"] <= 2
+    assert counts["local_step_traces"] == [1, 1]

@@ -1,0 +1,75 @@
+"""How often keras_dist traces under parameter servers; run by keras-dist-run.
+
+A model counts, in Python, each trace of its train_step, test_step and
+call (Python code in a tf.function runs only while it is traced). The chief
+trains 3 epochs with validation, then again (a second fit), evaluates
+twice and predicts twice (other sizes each time), with and without local
+steps, and writes the counts to out_dir/result.json. argv: out_dir.
+"""
+
+import collections
+import json
+import os
+import sys
+
+import keras_dist as kd
+
+strategy = kd.resolve_strategy()
+
+import keras  # noqa: E402
+
+from keras_dist.datasets import load_digits  # noqa: E402
+
+TRACES = collections.Counter()
+
+
+class Counting(kd.AsyncModel):
+    def train_step(self, data):
+        TRACES["train_step"] += 1
+        return super().train_step(data)
+
+    def test_step(self, data):
+        TRACES["test_step"] += 1
+        return super().test_step(data)
+
+    def call(self, inputs, training=False):
+        TRACES["call"] += 1
+        return super().call(inputs, training=training)
+
+
+def main(out_dir):
+    (x, y), (x_test, y_test) = load_digits()
+    with strategy.scope():
+        inputs = keras.Input((64,))
+        hidden = keras.layers.Dense(32, activation="relu")(inputs)
+        model = Counting(inputs, keras.layers.Dense(10, activation="softmax")(hidden))
+        model.compile("sgd", "sparse_categorical_crossentropy", metrics=["accuracy"])
+    counts = {}
+    for run in ("first_fit", "second_fit"):
+        model.fit(x, y, batch_size=32, epochs=3, steps_per_epoch=20, verbose=0,
+                  validation_data=(x_test[:100], y_test[:100]))
+        counts[run] = dict(TRACES)
+    for n in (70, 150):
+        model.evaluate(x_test[:n], y_test[:n], verbose=0)
+    counts["evaluate"] = dict(TRACES)
+    before = TRACES["call"]
+    for n in (50, 77, 130):
+        model.predict(x_test[:n], verbose=0)
+    counts["predict_call_traces"] = TRACES["call"] - before
+    with strategy.scope():
+        inputs = keras.Input((64,))
+        other = kd.AsyncModel(inputs, keras.layers.Dense(10, activation="softmax")(inputs))
+        other.compile("sgd", "sparse_categorical_crossentropy")
+    traces = []
+    for _ in range(2):
+        other.fit(x, y, batch_size=32, epochs=3, steps_per_epoch=20, verbose=0,
+                  local_steps=4)
+        functions = other.__dict__["_kd_async_state"]._functions.values()
+        traces.append(sum(f.experimental_get_tracing_count() for f in functions))
+    counts["local_step_traces"] = traces
+    with open(os.path.join(out_dir, "result.json"), "w") as f:
+        json.dump(counts, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
