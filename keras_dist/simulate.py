@@ -127,7 +127,7 @@ def schedule(workers, updates, *, speed="lognormal", sigma=0.2, stragglers=None,
 
 
 def fit(model, x, y, *, workers, epochs=1, batch_size=32, validation_data=None,
-        seed=0, **schedule_kwargs):
+        seed=0, local_steps=1, outer_optimizer=None, **schedule_kwargs):
     """Trains a compiled Keras model as N asynchronous workers would.
 
     Every update's gradient is computed with `Model.stateless_call` on the
@@ -150,6 +150,13 @@ def fit(model, x, y, *, workers, epochs=1, batch_size=32, validation_data=None,
         validation_data: Tuple `(x_val, y_val)` or `None`; evaluated with
             `model.evaluate` after each epoch.
         seed: Integer. Seeds the batch order and the schedule. Defaults to `0`.
+        local_steps: Integer >= 1. As `AsyncModel.fit(local_steps=k)`: each
+            update of the schedule is then one push of k local steps (k
+            batches) taken from the pulled weights and optimizer state with
+            the model's optimizer; the change is added (the optimizer
+            state's change too), or, with `outer_optimizer`, applied as the
+            pseudo-gradient `-change` by that optimizer. Defaults to `1`.
+        outer_optimizer: A Keras optimizer or `None`; see `local_steps`.
         **schedule_kwargs: `speed`, `sigma`, `stragglers`, `outages` (see
             `schedule`).
 
@@ -174,6 +181,11 @@ def fit(model, x, y, *, workers, epochs=1, batch_size=32, validation_data=None,
     steps_per_epoch = len(x) // batch_size
     if steps_per_epoch < 1:
         raise ValueError(f"batch_size={batch_size} is larger than the {len(x)} samples.")
+    _check_int(local_steps, "local_steps", 1)
+    if local_steps > 1 or outer_optimizer is not None:
+        return _fit_local(model, x, y, workers=workers, epochs=epochs, batch_size=batch_size,
+                          validation_data=validation_data, seed=seed, k=local_steps,
+                          outer=outer_optimizer, **schedule_kwargs)
     sched = schedule(workers, epochs * steps_per_epoch, seed=seed, **schedule_kwargs)
     optimizer = model.optimizer
     optimizer.build(model.trainable_variables)
@@ -221,6 +233,98 @@ def fit(model, x, y, *, workers, epochs=1, batch_size=32, validation_data=None,
             for variable, value in zip(model.non_trainable_variables, new_state):
                 variable.assign(value)  # the last write wins, as on a parameter server
             apply(grads, pulled, tf.constant(int(sched.staleness[update]), tf.int64))
+            if last_use[version] == update:
+                del snapshots[version]
+            if update + 1 in last_use:
+                snapshots[update + 1] = snapshot()
+            losses.append(float(loss))
+            update += 1
+        history["loss"].append(float(np.mean(losses)))
+        if validation_data is not None:
+            logs = model.evaluate(*validation_data, return_dict=True, verbose=0)
+            for key, value in logs.items():
+                history.setdefault("val_" + key, []).append(float(value))
+    return history, sched
+
+
+def _fit_local(model, x, y, *, workers, epochs, batch_size, validation_data, seed, k, outer,
+               **schedule_kwargs):
+    """`fit` with local steps: each scheduled update is one push of k steps."""
+    from keras_dist import stateless
+    from keras_dist import update as update_lib
+    from keras_dist.optimizers.base import StalenessAwareOptimizer
+
+    optimizer = model.optimizer
+    if not stateless.supports(optimizer):
+        raise ValueError(
+            f"Local steps need a plain Keras optimizer on the model; got "
+            f"{type(optimizer).__name__} (pass a staleness-aware wrapper as outer_optimizer).")
+    pushes_per_epoch = (len(x) // batch_size) // k
+    if pushes_per_epoch < 1:
+        raise ValueError(f"local_steps={k} batches of {batch_size} need more than the "
+                         f"{len(x)} samples.")
+    sched = schedule(workers, epochs * pushes_per_epoch, seed=seed, **schedule_kwargs)
+    variables = model.trainable_variables
+    optimizer.build(variables)
+    if outer is not None:
+        outer.build(variables)
+    opt_vars = list(optimizer.variables)
+
+    @tf.function(reduce_retracing=True)
+    def local_round(weights, opt_state, state, xs, ys):
+        losses = []
+        for j in range(k):
+            with tf.GradientTape() as tape:
+                tape.watch(weights)
+                y_pred, state = model.stateless_call(weights, state, xs[j], training=True)
+                loss = model.compute_loss(x=xs[j], y=ys[j], y_pred=y_pred, training=True)
+            grads = tape.gradient(loss, weights)
+            weights, opt_state = stateless.stateless_apply(optimizer, opt_state, grads, weights)
+            losses.append(loss)
+        return tf.reduce_mean(tf.stack(losses)), weights, opt_state, state
+
+    @tf.function(reduce_retracing=True)
+    def push(delta, opt_delta, pulled, tau):
+        if outer is None:
+            for v, d in zip(variables, delta):
+                v.assign_add(d)
+        else:
+            info = update_lib.UpdateInfo(tau, pulled)
+            pseudo = [-d for d in delta]
+            if isinstance(outer, StalenessAwareOptimizer):
+                outer.apply(pseudo, variables, update=info)
+            else:
+                with update_lib.providing(info):
+                    outer.apply(pseudo, variables)
+        for v, d in zip(opt_vars, opt_delta):
+            v.assign_add(d)
+
+    def snapshot():
+        return ([tf.identity(v.value) for v in variables],
+                [tf.identity(v.value) for v in opt_vars])
+
+    read_version = np.arange(len(sched.staleness)) - sched.staleness
+    last_use = {int(v): u for u, v in enumerate(read_version)}
+    snapshots = {0: snapshot()}
+    rng = np.random.default_rng(seed)
+    history: Dict[str, list] = {"loss": []}
+    update = 0
+    for _ in range(epochs):
+        order = rng.permutation(len(x))
+        losses = []
+        for push_index in range(pushes_per_epoch):
+            version = int(read_version[update])
+            pulled, pulled_opt = snapshots[version]
+            idx = order[push_index * k * batch_size:(push_index + 1) * k * batch_size]
+            xs = x[idx].reshape((k, batch_size) + x.shape[1:])
+            ys = y[idx].reshape((k, batch_size) + y.shape[1:])
+            state = [tf.identity(v.value) for v in model.non_trainable_variables]
+            loss, weights, opt_state, new_state = local_round(pulled, pulled_opt, state, xs, ys)
+            for variable, value in zip(model.non_trainable_variables, new_state):
+                variable.assign(value)
+            delta = [a - b for a, b in zip(weights, pulled)]
+            opt_delta = [a - b for a, b in zip(opt_state, pulled_opt)]
+            push(delta, opt_delta, pulled, tf.constant(int(sched.staleness[update]), tf.int64))
             if last_use[version] == update:
                 del snapshots[version]
             if update + 1 in last_use:

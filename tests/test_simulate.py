@@ -148,3 +148,50 @@ def test_simulated_fit_under_mixed_float16_matches_float32(digits):
     _, full = accuracy("float32")
     assert wrapped
     assert mixed == pytest.approx(full, abs=0.03)
+
+
+def _digits_mlp(optimizer):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(10, activation="softmax")])
+    model.compile(optimizer, "sparse_categorical_crossentropy")
+    return model
+
+
+@pytest.mark.parametrize("make", [lambda: keras.optimizers.SGD(0.1),
+                                  lambda: keras.optimizers.Adam(0.01)],
+                         ids=["sgd", "adam"])
+def test_one_worker_with_local_steps_is_sequential_training(make):
+    """One worker pushing rounds of k=4 steps takes the same steps on the
+    same batches as plain sequential training (one float rounding apart)."""
+    from keras_dist.datasets import load_digits
+
+    (x, y), _ = load_digits()
+    local, plain = _digits_mlp(make()), _digits_mlp(make())
+    _, sched = simulate.fit(local, x[:512], y[:512], workers=1, local_steps=4, seed=3)
+    simulate.fit(plain, x[:512], y[:512], workers=1, seed=3)
+    assert len(sched.staleness) == 512 // 32 // 4  # the schedule counts pushes
+    for a, b in zip(local.weights, plain.weights):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-6)
+    assert int(local.optimizer.iterations.numpy()) == 512 // 32
+
+
+def test_local_steps_with_an_outer_optimizer_move_less_per_push():
+    from keras_dist.datasets import load_digits
+
+    (x, y), _ = load_digits()
+    full, half = _digits_mlp(keras.optimizers.SGD(0.1)), _digits_mlp(keras.optimizers.SGD(0.1))
+    start = [w.numpy() for w in full.trainable_weights]
+    simulate.fit(full, x[:256], y[:256], workers=1, local_steps=8, seed=1)
+    simulate.fit(half, x[:256], y[:256], workers=1, local_steps=8, seed=1,
+                 outer_optimizer=keras.optimizers.SGD(0.5))
+    # One push (8 steps), outer SGD(0.5): half of the plain change.
+    for w0, a, b in zip(start, full.trainable_weights, half.trainable_weights):
+        np.testing.assert_allclose(b.numpy() - w0, 0.5 * (a.numpy() - w0), atol=1e-6)
+
+
+def test_local_steps_must_be_a_positive_integer_in_the_simulator():
+    model = _digits_mlp(keras.optimizers.SGD(0.1))
+    with pytest.raises(ValueError, match="local_steps.*integer >= 1.*0"):
+        simulate.fit(model, np.zeros((64, 64), "float32"), np.zeros(64), workers=2,
+                     local_steps=0)
