@@ -162,6 +162,7 @@ class AsyncExecutor(driver.Executor):
             self.stats.add(StepRecord(worker=report.worker, staleness=list(report.staleness),
                                       seconds=report.seconds))
             self.metrics.add(report.state)
+            self.policy.add_skipped(report.skipped)
             step = replica_cbs.ReplicaStep.from_report(report, "worker", steps=k)
             logs = self.metrics.logs(report.logs) if self._batch_logs else report.logs
             yield driver.BatchEnd(end, logs, [step])
@@ -171,8 +172,10 @@ class AsyncExecutor(driver.Executor):
             self.coordinator.join()
         for _, k, remote in pending:  # stopped early: what already ran still counts
             try:
-                self.metrics.add(step_report.unpack(remote.fetch(), self.state.log_names[k],
-                                                    self.metrics.size).state)
+                report = step_report.unpack(remote.fetch(), self.state.log_names[k],
+                                            self.metrics.size)
+                self.metrics.add(report.state)
+                self.policy.add_skipped(report.skipped)
             except _LOST:
                 self.stats.lost_results += 1
 
@@ -263,15 +266,17 @@ class _AsyncState:
         with tf.control_dependencies([t for t in tf.nest.flatten(batches[0]) if t is not None]):
             start = tf.timestamp()
         taus, writes, step_logs = [], [], {}
-        examples = tf.constant(0.0, tf.float64)
+        examples = skipped = tf.constant(0.0, tf.float64)
         # The metrics' state, from zero, summed over the k steps on the worker;
         # the chief adds it up (`ChiefMetrics`): no metric round trips here.
         metrics = [tf.zeros(v.shape, v.dtype) for v in self.metric_variables]
         for data in batches:
             with tf.control_dependencies([start] + taus):
                 step_start = tf.timestamp() if taus else start
-                tau, step_writes, step_logs, metrics = self._one_step(
+                tau, step_writes, step_logs, metrics, step_skipped = self._one_step(
                     data, worker, step_start, faults, metrics)
+            if step_skipped is not None:
+                skipped += step_skipped
             taus.append(tau)
             writes += step_writes
             examples += step_report.batch_examples(data)
@@ -283,14 +288,15 @@ class _AsyncState:
         names = sorted(logs)
         self.log_names[k] = names
         return step_report.pack(worker, seconds, examples, loss_sum, loss_count, taus,
-                                logs, names, state=metrics)
+                                logs, names, state=metrics, skipped=skipped)
 
     def _one_step(self, data, worker, step_start, faults, metrics):
         """`model.train_step(data)` with the version read with its weights and
         the update claimed and applied after it (a slowed worker sleeps before
         the claim: `factor - 1` times the time since `step_start`); the
         metrics' state starts at `metrics` (tensors). Returns `(tau, state
-        writes, the step's logs, the metrics' new state)`."""
+        writes, the step's logs, the metrics' new state, skipped)`; skipped
+        is a 0/1 tensor when the policy gated the update, else `None`."""
         model, optimizer = self.model, self.model.optimizer
         read = self.version.read()
         slowed = bool(faults and faults.slowed)
@@ -344,7 +350,7 @@ class _AsyncState:
             with update.providing(info):  # through a LossScaleOptimizer
                 original(grads, variables)
 
-        self.policy.apply(apply_fn, grads, variables, optimizer=optimizer)
+        skipped = self.policy.apply(apply_fn, grads, variables, optimizer=optimizer, gate=True)
 
         metrics = [scope.get_current_value(v) for v in metric_vars]
         metric_ids = {id(v) for v in metric_vars}
@@ -353,7 +359,7 @@ class _AsyncState:
             new = scope.get_current_value(v)
             if new is not None and id(v) not in metric_ids:
                 writes.append(v.value.assign(new))  # last write wins
-        return tau, writes, step_logs, metrics
+        return tau, writes, step_logs, metrics, skipped
 
 
 class ChiefMetrics:

@@ -146,8 +146,8 @@ def local_round(state, batches, worker, faults, outer_optimizer):
     with tf.control_dependencies(ready):
         one = tf.ones([], tf.int64)
     tau = state.version.increment(one) - 1 - read
-    writes = _push(state, outer_optimizer, trainable, delta, opt_vars, opt, opt0,
-                   non_trainable, nt, nt0, tau, worker, w0)
+    writes, skipped = _push(state, outer_optimizer, trainable, delta, opt_vars, opt, opt0,
+                            non_trainable, nt, nt0, tau, worker, w0)
     with tf.control_dependencies(writes + [tau]):
         seconds = tf.timestamp() - start
     loss_sum, loss_count = state.metrics.loss_state(metrics)
@@ -156,7 +156,7 @@ def local_round(state, batches, worker, faults, outer_optimizer):
     names = sorted(logs)
     state.log_names[len(batches)] = names
     return step_report.pack(worker, seconds, examples, loss_sum, loss_count, [tau],
-                            logs, names, state=metrics)
+                            logs, names, state=metrics, skipped=skipped)
 
 
 def _local_step(model, optimizer, data, trainable, w, non_trainable, nt, metric_vars,
@@ -185,9 +185,11 @@ def _local_step(model, optimizer, data, trainable, w, non_trainable, nt, metric_
 def _push(state, outer, trainable, delta, opt_vars, opt, opt0, non_trainable, nt, nt0,
           tau, worker, pulled):
     """Adds the round's change to the parameter servers (or applies it with
-    the outer optimizer), under the non-finite policy."""
+    the outer optimizer), under the non-finite policy. Returns `(writes,
+    skipped)`: a skipped round (0/1, float64) is reported, not written."""
     policy = state.policy
     finite = update.all_finite(delta)
+    skipped = tf.cast(tf.logical_not(finite), tf.float64)
     writes = []
     if policy.mode == "raise":
         writes.append(tf.debugging.Assert(finite, [
@@ -209,7 +211,10 @@ def _push(state, outer, trainable, delta, opt_vars, opt, opt0, non_trainable, nt
                     outer.apply(grads, variables)
 
             pseudo = [-d for d in delta]
-            policy.apply(apply_fn, pseudo, trainable, finite=finite, optimizer=outer)
+            gated = policy.apply(apply_fn, pseudo, trainable, finite=finite, optimizer=outer,
+                                 gate=True)
+            if gated is None:  # counted by the policy itself
+                skipped = tf.constant(0.0, tf.float64)
         # The optimizer's own state (slots, iterations): its change is added.
         for v, new, old in zip(opt_vars, opt, opt0):
             if new is old:
@@ -223,9 +228,7 @@ def _push(state, outer, trainable, delta, opt_vars, opt, opt0, non_trainable, nt
         for v, new, old in zip(non_trainable, nt, nt0):
             if new is not old:  # BatchNormalization statistics: last write wins
                 writes.append(v.value.assign(tf.where(finite, new, old)))
-        if outer is None and policy.mode == "skip" and policy.counter is not None:
-            writes.append(policy.counter.assign_add(tf.cast(tf.logical_not(finite), tf.int64)))
-    return writes
+    return writes, skipped
 
 
 def _current(scope, variable, old):

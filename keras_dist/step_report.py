@@ -4,7 +4,8 @@ Both executors measure, on the replica or worker that ran an execution of
 `steps_per_execution` train steps, the same fields, and send them back as
 one float64 vector (one tensor: a single copy to the chief):
 
-    [state..., logs..., worker, seconds, examples, loss_sum, loss_count, tau_1 ... tau_k]
+    [state..., logs..., worker, seconds, examples, loss_sum, loss_count, skipped,
+     tau_1 ... tau_k]
 
 `logs` are the execution's metric results (asynchronous training only; the
 synchronous executor reduces its logs the Keras way). `loss_sum` and
@@ -21,7 +22,7 @@ from typing import Dict, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
-FIELDS = ("worker", "seconds", "examples", "loss_sum", "loss_count")
+FIELDS = ("worker", "seconds", "examples", "loss_sum", "loss_count", "skipped")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +36,8 @@ class StepReport:
         examples: Integer or `None` when unknown.
         loss: Float. Mean loss of the execution's examples (NaN if unknown).
         staleness: Tuple of integers, one tau per update (empty when synchronous).
+        skipped: Integer. Updates the execution skipped as non-finite, where
+            it counts them itself (asynchronous, gated updates).
         logs: Dict of the execution's metric results (asynchronous only).
         state: Float64 array. What the execution added to the metrics'
             variables, flattened (asynchronous only; empty otherwise).
@@ -45,12 +48,13 @@ class StepReport:
     examples: object
     loss: float
     staleness: Tuple[int, ...] = ()
+    skipped: int = 0
     logs: Dict[str, float] = dataclasses.field(default_factory=dict)
     state: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
 
 
 def pack(worker, seconds, examples, loss_sum, loss_count, taus=(), logs=None, names=(),
-         state=()):
+         state=(), skipped=0):
     """The float64 vector of one execution (in a traced function).
 
     Args:
@@ -59,10 +63,12 @@ def pack(worker, seconds, examples, loss_sum, loss_count, taus=(), logs=None, na
         logs: Dict of scalar tensors, packed in the order of `names`.
         names: Sequence of the `logs` keys to pack.
         state: Sequence of tensors of any shape, flattened in front.
+        skipped: Scalar tensor (or 0): updates skipped as non-finite.
     """
     head = [tf.cast(tf.reshape(t, [-1]), tf.float64) for t in state]
     head += [tf.reshape(tf.cast(logs[n], tf.float64), [1]) for n in names]
-    fields = [tf.cast(v, tf.float64) for v in (worker, seconds, examples, loss_sum, loss_count)]
+    fields = [tf.cast(v, tf.float64)
+              for v in (worker, seconds, examples, loss_sum, loss_count, skipped)]
     tail = [tf.cast(t, tf.float64) for t in taus]
     return tf.concat(head + [tf.stack(fields + tail)], axis=0)
 
@@ -72,13 +78,13 @@ def unpack(vector, names: Sequence[str] = (), state_size: int = 0) -> StepReport
     values = vector.numpy() if hasattr(vector, "numpy") else np.asarray(vector)
     state, values = values[:state_size], values[state_size:]
     n = len(names)
-    worker, seconds, examples, loss_sum, loss_count = values[n:n + len(FIELDS)]
+    worker, seconds, examples, loss_sum, loss_count, skipped = values[n:n + len(FIELDS)]
     taus = tuple(int(t) for t in values[n + len(FIELDS):])
     return StepReport(
         worker=int(worker), seconds=float(seconds),
         examples=None if np.isnan(examples) else int(examples),
         loss=float(loss_sum / loss_count) if loss_count > 0 else math.nan,
-        staleness=taus,
+        staleness=taus, skipped=int(skipped),
         logs={name: float(v) for name, v in zip(names, values[:n])},
         state=state)
 

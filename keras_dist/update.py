@@ -93,6 +93,78 @@ def atomic_iterations(optimizer):
             counter.__dict__.pop("assign_add", None)
 
 
+def gateable(optimizer):
+    """Whether a skipped update can be gated by data alone (`gated_writes`):
+    one of Keras' built-in optimizers, whose every state write goes through
+    its `assign` / `assign_add` / `assign_sub` methods and `iterations`
+    (not with weight decay, EMA or gradient accumulation, which write
+    variables directly; not a wrapper or a `LossScaleOptimizer`)."""
+    return (isinstance(optimizer, keras.optimizers.Optimizer)
+            and type(optimizer).__module__.startswith("keras.")
+            and not skips_itself(optimizer)
+            and getattr(optimizer, "inner_optimizer", None) is None
+            and not getattr(optimizer, "weight_decay", None)
+            and not getattr(optimizer, "use_ema", False)
+            and not getattr(optimizer, "gradient_accumulation_steps", None))
+
+
+@contextlib.contextmanager
+def gated_writes(optimizer, keep):
+    """Makes the optimizer's state writes no-ops where `keep` is false.
+
+    While an update is traced in the block, `assign_add` / `assign_sub` add
+    zero and `assign` writes the old value back when the bool tensor `keep`
+    is false (`tf.where`, so a NaN in the discarded value goes nowhere), and
+    `iterations` counts `keep`. A skipped update then leaves weights, slots
+    and the step count exactly as they were, without a conditional around
+    remote ops: under parameter servers each op of a conditional branch
+    costs a control edge between hosts.
+    """
+    original = {name: getattr(type(optimizer), name).__get__(optimizer)
+                for name in ("assign", "assign_add", "assign_sub")}
+
+    def gate(value, otherwise):
+        if isinstance(value, tf.IndexedSlices):
+            return tf.IndexedSlices(tf.where(keep, value.values, otherwise(value)),
+                                    value.indices, value.dense_shape)
+        value = tf.convert_to_tensor(value)
+        return tf.where(keep, value, otherwise(value))
+
+    def zeros(value):
+        return tf.zeros_like(value.values if isinstance(value, tf.IndexedSlices) else value)
+
+    def assign(variable, value):
+        def old(value):
+            current = variable.value if hasattr(variable, "value") else variable
+            if isinstance(value, tf.IndexedSlices):
+                return tf.gather(current, value.indices)
+            return tf.cast(current, value.dtype)
+        return original["assign"](variable, gate(value, old))
+
+    counter = optimizer.iterations
+
+    def count(value):
+        return counter.value.assign_add(tf.cast(keep, counter.value.dtype)
+                                        * tf.cast(value, counter.value.dtype))
+
+    optimizer.__dict__.update(
+        assign=assign,
+        assign_add=lambda variable, value: original["assign_add"](variable, gate(value, zeros)),
+        assign_sub=lambda variable, value: original["assign_sub"](variable, gate(value, zeros)))
+    had_count = "assign_add" in counter.__dict__
+    previous = counter.__dict__.get("assign_add")
+    counter.__dict__["assign_add"] = count
+    try:
+        yield
+    finally:
+        for name in ("assign", "assign_add", "assign_sub"):
+            optimizer.__dict__.pop(name, None)
+        if had_count:
+            counter.__dict__["assign_add"] = previous
+        else:
+            counter.__dict__.pop("assign_add", None)
+
+
 def apply_hook(hook):
     """Sets this thread's hook, `hook(original_apply, grads, variables)`, for
     the block."""
@@ -226,13 +298,17 @@ class NonFinitePolicy:
         self._reporting = getattr(self, "_reporting", False) or skipped > 0
         return {"skipped_nonfinite": skipped} if self._reporting else {}
 
-    def apply(self, apply_fn, grads, variables, finite=None, optimizer=None):
+    def apply(self, apply_fn, grads, variables, finite=None, optimizer=None, gate=False):
         """Applies `apply_fn(grads, variables)` under the policy.
 
         `finite` is a boolean tensor (the same on every replica of a
         synchronous step); by default it is computed from `grads`. When
         `optimizer` decides on non-finite updates itself (a
-        `LossScaleOptimizer`) the update is handed to it as it is.
+        `LossScaleOptimizer`) the update is handed to it as it is. With
+        `gate` (parameter servers) a `gateable` optimizer skips by data
+        alone (`gated_writes`) instead of a conditional, and the update's
+        skip (a float64 0 or 1 tensor) is returned for the caller to report
+        and `add_skipped` on the chief; otherwise `None` (counted here).
         """
         if skips_itself(optimizer):
             apply_fn(grads, variables)
@@ -252,7 +328,17 @@ class NonFinitePolicy:
             self.counter.assign_add(tf.cast(tf.logical_not(finite), tf.int64))
             apply_if(finite, apply_fn, grads, variables, lambda: tf.constant(False))
             return
+        if gate and gateable(optimizer):
+            with gated_writes(optimizer, finite):
+                apply_fn(grads, variables)
+            # Counted by the caller (no round trip): see `add_skipped`.
+            return tf.cast(tf.logical_not(finite), tf.float64)
         apply_if(finite, apply_fn, grads, variables, self._count)
+
+    def add_skipped(self, n):
+        """Counts `n` updates a worker skipped and reported (eager, on the chief)."""
+        if n:
+            self.counter.assign_add(int(n))
 
     def _count(self):
         # Counted only when skipped: no round trip to a parameter server otherwise.
