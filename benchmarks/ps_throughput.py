@@ -42,7 +42,9 @@ import keras_dist as kd
 
 _STEPS = flags.DEFINE_integer("steps", 200, "Updates per epoch.")
 _EPOCHS = flags.DEFINE_integer("epochs", 3, "Epochs per run; the first is warm-up.")
-_REPEATS = flags.DEFINE_integer("repeats", 3, "Runs per side and setting.")
+_REPEATS = flags.DEFINE_integer(
+    "repeats", 5, "Runs per side and setting (the hand-written loop's rate varies by up "
+    "to 1.7x between runs of one process on 2 cores: medians of 5).")
 _LOCAL = flags.DEFINE_list("local_steps", ["1", "4", "16", "64"], "Values of k to measure.")
 _LOCAL_EPOCHS = flags.DEFINE_integer("local_epochs", 12, "Epochs of 256 batches per k.")
 _OUTPUT = flags.DEFINE_string(
@@ -189,7 +191,9 @@ def main(argv):
         ratios = [med[names[0]] / med[names[1]], med[names[2]] / med[names[1]]]
         if tf_keras is not None:
             ratios.append(med[names[0]] / med[names[3]])
-        summary[f"spe{k}"] = {"median_updates_per_s": med, "ratios": ratios}
+        summary[f"spe{k}"] = {"median_updates_per_s": med, "ratios": ratios,
+                              "range_updates_per_s": {n: [min(v), max(v)]
+                                                      for n, v in rates.items()}}
         table.add_row(str(k), *(f"{med[n]:.1f}" for n in names), *(f"{r:.3f}" for r in ratios))
     Console().print(table)
     if tf_keras is None:

@@ -340,7 +340,7 @@ class _AsyncState:
         # (control edges would cost a transfer per gradient).
         with tf.control_dependencies(ready):
             one = tf.ones([], tf.int64)
-        tau = self.version.increment(one) - 1 - read
+        tau = self.version.claim(read, one)
         info = update.UpdateInfo(staleness=tau, pulled=pulled, worker=worker)
 
         def apply_fn(grads, variables):
@@ -373,6 +373,20 @@ class ChiefMetrics:
     metric -- and costs no round trip to a parameter server; the sums are
     written to the metric variables at the end of each epoch, where Keras'
     epoch logs (and users) read them.
+
+    Example:
+
+    >>> import numpy as np, keras
+    >>> from keras_dist.async_executor import ChiefMetrics
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    >>> model.compile("sgd", "mse")
+    >>> history = model.fit(np.ones((4, 2)), np.ones((4, 1)), verbose=0)  # builds the metrics
+    >>> metrics = ChiefMetrics(model)
+    >>> [v.path for v in metrics.variables]
+    ['loss/total', 'loss/count']
+    >>> metrics.add(np.array([6.0, 3.0]))  # one execution: loss 6 summed over 3 examples
+    >>> metrics.logs({"loss": 0.0})
+    {'loss': 2.0}
     """
 
     def __init__(self, model):

@@ -37,6 +37,19 @@ from keras_dist.optimizers.base import StalenessAwareOptimizer
 def check(model, strategy, local_steps, outer_optimizer):
     """Validates the local-steps options; returns `local_steps` as an int.
 
+    Example:
+
+    >>> import keras, tensorflow as tf
+    >>> from keras_dist import local_steps
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    >>> model.compile("sgd", "mse")
+    >>> local_steps.check(model, tf.distribute.get_strategy(), 1, None)
+    1
+    >>> local_steps.check(model, tf.distribute.get_strategy(), 4, None)
+    Traceback (most recent call last):
+    ...
+    ValueError: local_steps=4 and outer_optimizer need parameter servers ...
+
     Raises:
         ValueError: for `local_steps` < 1 or not an integer, local steps
             under a synchronous strategy, together with
@@ -145,7 +158,7 @@ def local_round(state, batches, worker, faults, outer_optimizer):
         ready = faults.slow_down(worker, now - start, now) or ready
     with tf.control_dependencies(ready):
         one = tf.ones([], tf.int64)
-    tau = state.version.increment(one) - 1 - read
+    tau = state.version.claim(read, one)
     writes, skipped = _push(state, outer_optimizer, trainable, delta, opt_vars, opt, opt0,
                             non_trainable, nt, nt0, tau, worker, w0)
     with tf.control_dependencies(writes + [tau]):

@@ -58,6 +58,17 @@ class VersionCounter:
         """
         return self.variable.assign_add(one, read_value=True)
 
+    def claim(self, read, one=1):
+        """Claims the next version; returns tau, the claims since `read`.
+
+        `read` is this step's earlier `read()`. The subtraction runs where
+        the counter lives, so only tau travels back (not the read and the
+        new version). `one`: see `increment`.
+        """
+        new = self.increment(one)
+        with tf.device(self.variable.device):
+            return new - 1 - read
+
     def count_skipped(self):
         """Atomically counts one skipped update; returns a true bool tensor."""
         with tf.control_dependencies([self.skipped.assign_add(1)]):

@@ -31,6 +31,8 @@ MODULES = (
     "keras_dist.datasets",
     "keras_dist.fit",
     "keras_dist.launch",
+    "keras_dist.local_steps",
+    "keras_dist.stateless",
     "keras_dist.sync_executor",
     "keras_dist.driver",
     "keras_dist.update",
