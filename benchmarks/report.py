@@ -112,6 +112,27 @@ def ps_throughput(lines):
                          "(benchmarks/ps_local_steps.png)\n")
 
 
+def ps_startup(lines):
+    data = load("ps_startup")
+    lines.append("## Whole-process time under parameter servers (`ps_startup.py`)\n")
+    if data is None:
+        lines.append("Not run.\n")
+        return
+    med = data["median_seconds"]
+    lines += [
+        f"A fresh local cluster (chief, 2 workers, 1 ps) per run, from launching it to the "
+        f"end of `fit` ({data['epochs']} epochs of {data['steps']} updates, "
+        f"steps_per_execution {data['spe']}, digits MLP): imports, cluster start, model, "
+        "tracing and training. Median of interleaved runs.\n",
+        "| | keras_dist `AsyncModel.fit` | tf-keras `model.fit` | speed ratio |",
+        "|---|---|---|---|",
+        f"| seconds | {med['keras_dist']:.1f} | {med['tf_keras']:.1f} | "
+        f"{data['speed_ratio']:.3f} |",
+        "",
+        "Target: speed ratio (tf-keras seconds / keras_dist seconds) >= 1.0.\n",
+    ]
+
+
 def staleness_convergence(lines):
     data = load("staleness_convergence")
     lines.append("## Accuracy under simulated staleness (`staleness_convergence.py`)\n")
@@ -192,6 +213,7 @@ def main():
     ]
     fit_overhead(lines)
     ps_throughput(lines)
+    ps_startup(lines)
     staleness_convergence(lines)
     straggler(lines)
     with open(os.path.join(DOCS, "benchmarks.md"), "w") as f:
