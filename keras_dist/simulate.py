@@ -153,8 +153,8 @@ def fit(model, x, y, *, workers, epochs=1, batch_size=32, validation_data=None,
         local_steps: Integer >= 1. As `AsyncModel.fit(local_steps=k)`: each
             update of the schedule is then one push of k local steps (k
             batches) taken from the pulled weights and optimizer state with
-            the model's optimizer; the change is added (the optimizer
-            state's change too), or, with `outer_optimizer`, applied as the
+            the model's optimizer; the change is added (the step count's
+            too; the slots are the pushing worker's), or, with `outer_optimizer`, applied as the
             pseudo-gradient `-change` by that optimizer. Defaults to `1`.
         outer_optimizer: A Keras optimizer or `None`; see `local_steps`.
         **schedule_kwargs: `speed`, `sigma`, `stragglers`, `outages` (see
@@ -210,41 +210,16 @@ def fit(model, x, y, *, workers, epochs=1, batch_size=32, validation_data=None,
     def snapshot():
         return [tf.identity(v.value) for v in variables]
 
-    # A ring of weight snapshots by version, each kept until the last update
-    # computed on it has been applied: memory is bounded by the versions in
-    # use (about N), not by the number of updates.
-    read_version = np.arange(len(sched.staleness)) - sched.staleness
-    last_use = {}
-    for u, v in enumerate(read_version):
-        last_use[int(v)] = u
-    snapshots = {0: snapshot()}
-    rng = np.random.default_rng(seed)
-    history: Dict[str, list] = {"loss": []}
-    update = 0
-    for _ in range(epochs):
-        order = rng.permutation(len(x))
-        losses = []
-        for step in range(steps_per_epoch):
-            version = int(read_version[update])
-            pulled = snapshots[version]
-            idx = order[step * batch_size:(step + 1) * batch_size]
-            state = [tf.identity(v.value) for v in model.non_trainable_variables]
-            loss, grads, new_state = loss_and_grads(pulled, state, x[idx], y[idx])
-            for variable, value in zip(model.non_trainable_variables, new_state):
-                variable.assign(value)  # the last write wins, as on a parameter server
-            apply(grads, pulled, tf.constant(int(sched.staleness[update]), tf.int64))
-            if last_use[version] == update:
-                del snapshots[version]
-            if update + 1 in last_use:
-                snapshots[update + 1] = snapshot()
-            losses.append(float(loss))
-            update += 1
-        history["loss"].append(float(np.mean(losses)))
-        if validation_data is not None:
-            logs = model.evaluate(*validation_data, return_dict=True, verbose=0)
-            for key, value in logs.items():
-                history.setdefault("val_" + key, []).append(float(value))
-    return history, sched
+    def run_update(pulled, idx, tau):
+        state = [tf.identity(v.value) for v in model.non_trainable_variables]
+        loss, grads, new_state = loss_and_grads(pulled, state, x[idx], y[idx])
+        for variable, value in zip(model.non_trainable_variables, new_state):
+            variable.assign(value)  # the last write wins, as on a parameter server
+        apply(grads, pulled, tau)
+        return loss
+
+    return _replay(model, sched, epochs, len(x), batch_size, steps_per_epoch, seed,
+                   validation_data, snapshot, run_update), sched
 
 
 def _fit_local(model, x, y, *, workers, epochs, batch_size, validation_data, seed, k, outer,
@@ -284,7 +259,7 @@ def _fit_local(model, x, y, *, workers, epochs, batch_size, validation_data, see
         return tf.reduce_mean(tf.stack(losses)), weights, opt_state, state
 
     @tf.function(reduce_retracing=True)
-    def push(delta, opt_delta, pulled, tau):
+    def push(delta, opt_delta, opt_new, pulled, tau):
         if outer is None:
             for v, d in zip(variables, delta):
                 v.assign_add(d)
@@ -296,13 +271,42 @@ def _fit_local(model, x, y, *, workers, epochs, batch_size, validation_data, see
             else:
                 with update_lib.providing(info):
                     outer.apply(pseudo, variables)
-        for v, d in zip(opt_vars, opt_delta):
-            v.assign_add(d)
+        for v, d, new in zip(opt_vars, opt_delta, opt_new):
+            if new.dtype.is_floating:
+                v.assign(new)  # slots: the pushing worker's (as local_steps)
+            else:
+                v.assign_add(d)  # the step count
 
     def snapshot():
         return ([tf.identity(v.value) for v in variables],
                 [tf.identity(v.value) for v in opt_vars])
 
+    def run_update(pulled_state, idx, tau):
+        pulled, pulled_opt = pulled_state
+        xs = x[idx].reshape((k, batch_size) + x.shape[1:])
+        ys = y[idx].reshape((k, batch_size) + y.shape[1:])
+        state = [tf.identity(v.value) for v in model.non_trainable_variables]
+        loss, weights, opt_state, new_state = local_round(pulled, pulled_opt, state, xs, ys)
+        for variable, value in zip(model.non_trainable_variables, new_state):
+            variable.assign(value)
+        delta = [a - b for a, b in zip(weights, pulled)]
+        opt_delta = [a - b for a, b in zip(opt_state, pulled_opt)]
+        push(delta, opt_delta, opt_state, pulled, tau)
+        return loss
+
+    return _replay(model, sched, epochs, len(x), k * batch_size, pushes_per_epoch, seed,
+                   validation_data, snapshot, run_update), sched
+
+
+def _replay(model, sched, epochs, samples, examples_per_update, updates_per_epoch, seed,
+            validation_data, snapshot, run_update):
+    """Replays `sched`: each update runs `run_update(pulled, batch indices,
+    tau)` on the state `snapshot()` took when its worker read the weights.
+
+    Snapshots are kept in a ring by version, each until the last update
+    computed on it has been applied: memory is bounded by the versions in
+    use (about N), not by the number of updates. Returns the history.
+    """
     read_version = np.arange(len(sched.staleness)) - sched.staleness
     last_use = {int(v): u for u, v in enumerate(read_version)}
     snapshots = {0: snapshot()}
@@ -310,33 +314,24 @@ def _fit_local(model, x, y, *, workers, epochs, batch_size, validation_data, see
     history: Dict[str, list] = {"loss": []}
     update = 0
     for _ in range(epochs):
-        order = rng.permutation(len(x))
+        order = rng.permutation(samples)
         losses = []
-        for push_index in range(pushes_per_epoch):
+        for i in range(updates_per_epoch):
             version = int(read_version[update])
-            pulled, pulled_opt = snapshots[version]
-            idx = order[push_index * k * batch_size:(push_index + 1) * k * batch_size]
-            xs = x[idx].reshape((k, batch_size) + x.shape[1:])
-            ys = y[idx].reshape((k, batch_size) + y.shape[1:])
-            state = [tf.identity(v.value) for v in model.non_trainable_variables]
-            loss, weights, opt_state, new_state = local_round(pulled, pulled_opt, state, xs, ys)
-            for variable, value in zip(model.non_trainable_variables, new_state):
-                variable.assign(value)
-            delta = [a - b for a, b in zip(weights, pulled)]
-            opt_delta = [a - b for a, b in zip(opt_state, pulled_opt)]
-            push(delta, opt_delta, pulled, tf.constant(int(sched.staleness[update]), tf.int64))
+            idx = order[i * examples_per_update:(i + 1) * examples_per_update]
+            tau = tf.constant(int(sched.staleness[update]), tf.int64)
+            losses.append(float(run_update(snapshots[version], idx, tau)))
             if last_use[version] == update:
                 del snapshots[version]
             if update + 1 in last_use:
                 snapshots[update + 1] = snapshot()
-            losses.append(float(loss))
             update += 1
         history["loss"].append(float(np.mean(losses)))
         if validation_data is not None:
             logs = model.evaluate(*validation_data, return_dict=True, verbose=0)
             for key, value in logs.items():
                 history.setdefault("val_" + key, []).append(float(value))
-    return history, sched
+    return history
 
 
 def _version_at(times, t):
