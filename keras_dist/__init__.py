@@ -32,7 +32,7 @@ from keras_dist.cluster import ClusterConfig  # noqa: E402
 from keras_dist.async_model import AsyncModel  # noqa: E402
 from keras_dist.fit import evaluate, fit  # noqa: E402
 from keras_dist.serve import serve  # noqa: E402
-from keras_dist import callbacks, optimizers, testing  # noqa: E402
+from keras_dist import callbacks, optimizers, sharded, testing  # noqa: E402
 from keras_dist.strategy import (  # noqa: E402
     StrategyChoice,
     StrategyKind,
@@ -56,6 +56,7 @@ __all__ = [
     "optimizers",
     "resolve_strategy",
     "serve",
+    "sharded",
     "testing",
 ]
 

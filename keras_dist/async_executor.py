@@ -48,6 +48,7 @@ import tensorflow as tf
 from keras_dist import data as data_lib
 from keras_dist import driver
 from keras_dist import local_steps as local_steps_lib
+from keras_dist import sharded
 from keras_dist import step_report
 from keras_dist import update
 from keras_dist.callbacks import base as replica_cbs
@@ -203,6 +204,7 @@ class _AsyncState:
 
     def __init__(self, model, strategy, mode):
         self.model, self.strategy = model, strategy
+        sharded.install(strategy)
         with strategy.scope():
             counter = getattr(model, "version_counter", None)
             self.version = counter if counter is not None else VersionCounter()
@@ -222,16 +224,7 @@ class _AsyncState:
         driver.build_for_training(self.model, self.strategy, sample_batch)
         if self.metrics is None or self.metrics.variables != _metric_variables(self.model):
             self.metrics = ChiefMetrics(self.model)
-        sharded = [w.path for w in self.model.trainable_weights if _sharded(w)]
-        if sharded:
-            raise ValueError(
-                f"Variables {sharded} were split into shards by the strategy's "
-                "variable_partitioner, but Keras 3's optimizer cannot update a "
-                "sharded variable (its update asks TF to colocate with the "
-                "ShardedVariable: \"ShardedVariable doesn't support being used "
-                "as a reference\"). Build the strategy without "
-                "variable_partitioner (the variables are then placed whole, "
-                "round-robin over the parameter servers).")
+        sharded.prepare(self.model)
 
     def step_function(self, k, faults, local=False, outer=None):
         """The `tf.function` running `k` steps on a worker (with `local`: one
@@ -461,7 +454,3 @@ def _needs_pulled(optimizer):
             return True
     return False
 
-
-def _sharded(variable):
-    """Whether TF's partitioner split this Keras variable into shards."""
-    return isinstance(getattr(variable.value, "variables", None), (list, tuple))

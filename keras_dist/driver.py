@@ -212,8 +212,12 @@ def evaluate(executor, x=None, y=None, *, batch_size=None,
     return values[0] if len(values) == 1 else values
 
 
-def build_for_training(model, strategy, sample_batch):
+def build_for_training(model, strategy, sample_batch, build_optimizer=True):
     """Creates the optimizer's and the metrics' state from one sample batch.
+
+    Evaluation passes `build_optimizer=False`: it needs no optimizer state,
+    and an optimizer must be built in its own strategy's scope (under
+    parameter servers the chief evaluates under the default strategy).
 
     What Keras' own `fit` does before its first compiled step (its symbolic
     build): variables cannot be created inside a compiled step function, on
@@ -228,7 +232,7 @@ def build_for_training(model, strategy, sample_batch):
         if y is not None:
             model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
             model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        if model.optimizer is not None and not model.optimizer.built:
+        if build_optimizer and model.optimizer is not None and not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
         model.reset_metrics()
 

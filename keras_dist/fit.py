@@ -31,7 +31,7 @@ logger = logging.getLogger("keras_dist")
 
 
 def fit(model, x=None, y=None, *, strategy="auto", cluster=None, nonfinite_updates=None,
-        local_steps=1, outer_optimizer=None, **fit_kwargs):
+        local_steps=1, outer_optimizer=None, variable_partitioner=None, **fit_kwargs):
     """Trains a Keras model with the right `tf.distribute` strategy.
 
     Same arguments and return value as `keras.Model.fit`, plus the choice of
@@ -80,6 +80,12 @@ def fit(model, x=None, y=None, *, strategy="auto", cluster=None, nonfinite_updat
         outer_optimizer: A Keras optimizer or `None`. Parameter servers
             only: applies each push's pseudo-gradient on the parameter
             servers (DiLoCo); `None` adds the change.
+        variable_partitioner: A `tf.distribute.experimental.partitioners`
+            partitioner or `None`. Parameter servers only: splits large
+            variables across the parameter servers (docs/sharded-variables.md);
+            passed to `resolve_strategy`, so `model` should be a function
+            (its variables are then created sharded). `ValueError` under any
+            other strategy.
         **fit_kwargs: Any other argument of `keras.Model.fit` (`epochs`,
             `batch_size`, `callbacks`, `validation_data`, ...).
 
@@ -118,7 +124,7 @@ def fit(model, x=None, y=None, *, strategy="auto", cluster=None, nonfinite_updat
     if cluster is None:
         cluster = ClusterConfig.from_env()
     serve_if_serving_task(cluster)
-    dist = strategy_lib.resolve_strategy(strategy, cluster)
+    dist = strategy_lib.resolve_strategy(strategy, cluster, variable_partitioner=variable_partitioner)
     model = _model_in_scope(model, dist)
     mode = nonfinite_updates or getattr(model, "nonfinite_updates", None) or "skip"
     setup = dict(nonfinite_updates=mode, faults=testing.faults_from_env(), cluster=cluster)

@@ -26,6 +26,7 @@ from typing import Optional, Tuple
 
 import tensorflow as tf
 
+from keras_dist import sharded
 from keras_dist.cluster import ClusterConfig
 from keras_dist.serve import configure_grpc, start_server, wait_for_tasks
 
@@ -192,7 +193,10 @@ def resolve_strategy(strategy="auto", cluster=None, devices=None, *,
             `tf.distribute.experimental.partitioners.Partitioner` (e.g.
             `MinSizePartitioner(min_shard_bytes=..., max_shards=num_ps)`) that
             splits large variables, such as a big `Embedding`, across the
-            parameter servers. Defaults to `None` (no sharding).
+            parameter servers; Keras models then train with their variables
+            sharded (`keras_dist.sharded`, docs/sharded-variables.md).
+            Defaults to `None` (no sharding). Any other strategy raises
+            `ValueError` for it.
         connect_timeout: Float. Parameter-server training only: seconds to
             wait for every worker and ps task to accept connections before
             failing with an error naming the missing ones. Defaults to `120`.
@@ -219,6 +223,13 @@ def resolve_strategy(strategy="auto", cluster=None, devices=None, *,
             up within `connect_timeout`.
     """
     if isinstance(strategy, tf.distribute.Strategy):
+        if variable_partitioner is not None:
+            raise ValueError(
+                f"variable_partitioner={variable_partitioner!r} was given with a "
+                f"strategy instance ({type(strategy).__name__}); a partitioner takes "
+                "effect only when the strategy is built. Pass it to "
+                "tf.distribute.ParameterServerStrategy(..., variable_partitioner=...) "
+                "yourself, or pass strategy='auto' / 'parameter_server'.")
         return strategy
     choice = choose_strategy(strategy, cluster, devices)
     logger.info("keras_dist: using %s strategy (%s)", choice.kind.value, choice.reason)
@@ -227,6 +238,7 @@ def resolve_strategy(strategy="auto", cluster=None, devices=None, *,
 
 
 _STRATEGIES = {}
+_PARTITIONERS = {}  # parameter-server strategies' variable_partitioner, same keys
 
 
 def build_strategy(choice, *, variable_partitioner=None, connect_timeout=120.0):
@@ -254,6 +266,13 @@ def build_strategy(choice, *, variable_partitioner=None, connect_timeout=120.0):
     ('/job:localhost/replica:0/task:0/device:CPU:0',)
     """
     kind = choice.kind
+    if variable_partitioner is not None and kind is not StrategyKind.PARAMETER_SERVER:
+        raise ValueError(
+            f"variable_partitioner={variable_partitioner!r} splits variables across "
+            f"parameter servers, but this process trains with the {kind.value} "
+            f"strategy ({choice.reason}), which keeps every variable whole on each "
+            "replica. Run on a parameter-server cluster (keras-dist-run --ps N, or "
+            "'ps' tasks in TF_CONFIG), or leave variable_partitioner out.")
     if kind is StrategyKind.DEFAULT:
         return tf.distribute.get_strategy()
     if kind is StrategyKind.ONE_DEVICE:
@@ -276,8 +295,21 @@ def build_strategy(choice, *, variable_partitioner=None, connect_timeout=120.0):
         if kind is StrategyKind.PARAMETER_SERVER:
             _STRATEGIES[key] = _parameter_server(
                 choice.cluster, variable_partitioner, connect_timeout)
+            _PARTITIONERS[key] = variable_partitioner
         else:
             _STRATEGIES[key] = _multi_worker(choice.cluster)
+    elif (kind is StrategyKind.PARAMETER_SERVER and variable_partitioner is not None
+          and _PARTITIONERS[key] is not variable_partitioner):
+        # One coordinator per process: the strategy cannot be built again
+        # with another partitioner, and silently keeping the first would
+        # shard against the caller's wish. (No partitioner means "the
+        # strategy as built": kd.fit after resolve_strategy(...).)
+        raise ValueError(
+            "This process already built its parameter-server strategy with "
+            f"variable_partitioner={_PARTITIONERS[key]!r}; it cannot be rebuilt with "
+            f"variable_partitioner={variable_partitioner!r} (TensorFlow allows one "
+            "coordinator per process). Pass the same partitioner object each time, "
+            "or keep the strategy resolve_strategy returned and reuse it.")
     return _STRATEGIES[key]
 
 
@@ -290,8 +322,9 @@ def _parameter_server(cluster, variable_partitioner, connect_timeout):
             "the evaluator out of the cluster.")
     configure_grpc()
     wait_for_tasks(cluster, connect_timeout)
-    return tf.distribute.ParameterServerStrategy(
+    strategy = tf.distribute.ParameterServerStrategy(
         cluster.cluster_resolver(), variable_partitioner=variable_partitioner)
+    return sharded.install(strategy)  # Keras 3 can then train sharded variables
 
 
 def _multi_worker(cluster):

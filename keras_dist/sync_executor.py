@@ -103,7 +103,8 @@ class SyncExecutor(driver.Executor):
         model = self.model
         if self._eval_fns is None:
             if not model.run_eagerly:
-                driver.build_for_training(model, self.strategy, eval_input.sample())
+                driver.build_for_training(model, self.strategy, eval_input.sample(),
+                                          build_optimizer=False)
             self._eval_fns = _StepFunctions(model, self.strategy, model.test_step)
         model.reset_metrics()
         callbacks.on_test_begin()

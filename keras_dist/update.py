@@ -137,6 +137,8 @@ def gated_writes(optimizer, keep):
         def old(value):
             current = variable.value if hasattr(variable, "value") else variable
             if isinstance(value, tf.IndexedSlices):
+                if hasattr(current, "sparse_read"):  # only those rows, from each shard
+                    return tf.cast(current.sparse_read(value.indices), value.dtype)
                 return tf.gather(current, value.indices)
             return tf.cast(current, value.dtype)
         return original["assign"](variable, gate(value, old))

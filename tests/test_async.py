@@ -60,26 +60,6 @@ def test_async_digits_training(tmp_path, steps_per_execution):
     assert "[ps:0] keras_dist: ps:0 serving at 127.0.0.1:" in output
 
 
-def run_sharded(tmp_path, mode):
-    return run_script(tmp_path, "ps_sharded.py", mode, ps=2)[0]
-
-
-def test_two_parameter_servers_hold_and_train_a_large_embedding(tmp_path):
-    result = run_sharded(tmp_path, "whole")
-    assert result["devices"] == ["/job:ps/replica:0/task:0/device:CPU:0",
-                                 "/job:ps/replica:0/task:1/device:CPU:0"]
-    history = result["history"]
-    assert history["accuracy"][-1] >= 0.9 and history["loss"][-1] < 0.3 * history["loss"][0]
-    assert result["version"] == 6 * 63  # 4000 examples / 64 per step, 6 epochs
-
-
-def test_variable_partitioner_gets_a_clear_error_not_a_trace(tmp_path):
-    """Keras 3's optimizer cannot update TF ShardedVariables; say so up front."""
-    result = run_sharded(tmp_path, "partitioned")
-    assert "table/embeddings" in result["error"]
-    assert "Build the strategy without variable_partitioner" in result["error"]
-
-
 def test_every_staleness_aware_wrapper_trains_asynchronously(tmp_path):
     results, _ = run_script(tmp_path, "ps_wrappers.py")
     assert sorted(results) == ["DCASGD", "DCASGD-adaptive", "DynSGD", "GapAware",

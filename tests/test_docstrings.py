@@ -45,6 +45,7 @@ MODULES = (
     "keras_dist.optimizers.staleness_limit",
     "keras_dist.optimizers.staleness_scaled",
     "keras_dist.serve",
+    "keras_dist.sharded",
     "keras_dist.simulate",
     "keras_dist.staleness",
     "keras_dist.strategy",

@@ -1,55 +1,207 @@
-"""A large Embedding on 2 parameter servers; run by keras-dist-run.
+"""Sharded variables (a `variable_partitioner`) on a real parameter-server
+cluster; run by keras-dist-run.
 
-argv: out_dir mode, mode "partitioned" (MinSizePartitioner: Keras 3's
-optimizer cannot update the shards, so a clear error is expected) or "whole"
-(no partitioner: variables are placed round-robin over both ps tasks).
-The chief writes out_dir/result.json.
+argv: out_dir mode max_shards
+
+- mode "train" (2 parameter servers): a recommender-style model (Embedding,
+  pooling, MLP) whose table and first kernel the partitioner splits.
+  The chief writes out_dir/result.json with
+  - "placement": each sharded model / optimizer variable's shard devices;
+  - "equal": one execution of K steps on one worker, sharded against the
+    same model unsharded on the same cluster and against Keras' own
+    `model.fit` on one device, for SGD, momentum, Adam (+ clipnorm) and
+    DC-ASGD (reads the pulled weights): largest weight / slot differences;
+  - "train": two workers asynchronously, sharded and unsharded: test
+    accuracy; and with local steps;
+  - "backup": BackupAndRestore of a sharded model resumes (epochs run,
+    restored weights' difference);
+  and saves the trained sharded model (out_dir/sharded.keras,
+  sharded.weights.h5, sharded.npz: predictions and optimizer variables).
+- mode "load" (any number of parameter servers): loads
+  out_dir/one_device.keras (saved by the test on one device), reports its
+  shards' devices, prediction and optimizer-state differences against
+  out_dir/one_device.npz, the same for `load_weights`, and trains it on.
 """
 
 import json
 import os
 import sys
 
+import numpy as np
 import tensorflow as tf
 
-import keras_dist as kd
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-MODE = sys.argv[2]
-partitioner = (tf.distribute.experimental.partitioners.MinSizePartitioner(
-    min_shard_bytes=64 * 1024, max_shards=2) if MODE == "partitioned" else None)
-strategy = kd.resolve_strategy(variable_partitioner=partitioner)
+import keras_dist as kd  # noqa: E402
+from sharded_cases import data, recommender  # noqa: E402
+
+OUT, MODE, MAX_SHARDS = sys.argv[1], sys.argv[2], int(sys.argv[3])
+
+
+class Switchable(tf.distribute.experimental.partitioners.MinSizePartitioner):
+    """MinSizePartitioner that can be turned off, so one cluster (one
+    coordinator per process) builds both sharded and unsharded models."""
+
+    on = True
+
+    def __call__(self, shape, dtype, axis=0):
+        if not self.on:
+            return [1] * len(shape)
+        return super().__call__(shape, dtype, axis)
+
+
+PARTITIONER = Switchable(min_shard_bytes=1024, max_shards=MAX_SHARDS)
+strategy = kd.resolve_strategy(variable_partitioner=PARTITIONER)
 if not isinstance(strategy, tf.distribute.ParameterServerStrategy):
     kd.serve()
 
 import keras  # noqa: E402
-import numpy as np  # noqa: E402
 
-VOCAB, DIM = 5000, 32  # 640 KB of float32: shardable
+K = 4
+ADAM = lambda: keras.optimizers.Adam(0.01)  # noqa: E731
+X, Y = data(4000, 0)
+X_TEST, Y_TEST = data(1000, 1)
 
 
-def main(out_dir):
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, VOCAB, size=(4000, 8))
-    labels = ((tokens % 2).sum(axis=1) > 4).astype("float32")  # a rule over the ids
-    with strategy.scope():
-        inputs = keras.Input((8,), dtype="int32")
-        embedded = keras.layers.Embedding(VOCAB, DIM, name="table")(inputs)
-        pooled = keras.layers.GlobalAveragePooling1D()(embedded)
-        outputs = keras.layers.Dense(1, activation="sigmoid")(
-            keras.layers.Dense(32, activation="relu")(pooled))
-        model = kd.AsyncModel(inputs, outputs)
-        model.compile(keras.optimizers.Adam(0.01), "binary_crossentropy",
-                      metrics=["accuracy"])
-    result = {"devices": sorted({w.value.device for w in model.weights
-                                 if hasattr(w.value, "device")})}
+def remote(make_optimizer, sharded, **kwargs):
+    PARTITIONER.on = sharded
     try:
-        history = model.fit(tokens, labels, epochs=6, batch_size=64, verbose=2)
-        result.update(history=history.history, version=model.version)
-    except ValueError as error:
-        result["error"] = str(error)
-    with open(os.path.join(out_dir, "result.json"), "w") as f:
-        json.dump(result, f)
+        with strategy.scope():
+            return recommender(make_optimizer(), kd.AsyncModel, **kwargs)
+    finally:
+        PARTITIONER.on = True
+
+
+def devices(variable):
+    return [s.device for s in kd.sharded.shards(variable)]
+
+
+def placement():
+    model = remote(ADAM, True)
+    with strategy.scope():
+        model.optimizer.build(model.trainable_variables)
+    return {"model": {v.path: devices(v) for v in model.weights if kd.sharded.is_sharded(v)},
+            "optimizer": {v.path: devices(v) for v in model.optimizer.variables
+                          if kd.sharded.is_sharded(v)}}
+
+
+def max_diff(a, b):
+    assert len(a) == len(b), (len(a), len(b))
+    return max(float(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)).max())
+               for x, y in zip(a, b))
+
+
+OPTIMIZERS = {
+    "sgd": lambda: keras.optimizers.SGD(0.5),
+    "momentum": lambda: keras.optimizers.SGD(0.5, momentum=0.9),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "adam_clipnorm": lambda: keras.optimizers.Adam(0.01, clipnorm=0.02),
+    "dcasgd": lambda: kd.optimizers.DCASGD(keras.optimizers.SGD(0.5), lambda_=0.5),
+}
+
+
+def equal():
+    results = {}
+    for name, make in OPTIMIZERS.items():
+        keras.utils.set_random_seed(1)
+        local = recommender(make())
+        init = [w.numpy() for w in local.weights]
+        runs = {}
+        for sharded in (True, False):
+            model = remote(make, sharded, steps_per_execution=K)
+            model.set_weights(init)
+            model.fit(X[:32 * K], Y[:32 * K], batch_size=32, epochs=1, steps_per_epoch=K,
+                      shuffle=False, verbose=0)
+            runs[sharded] = model
+        result = {
+            "sharded_vs_unsharded": max_diff(runs[True].weights, runs[False].weights),
+            "slots_sharded_vs_unsharded": max_diff(runs[True].optimizer.variables,
+                                                   runs[False].optimizer.variables),
+            "iterations": int(runs[True].optimizer.iterations.numpy()),
+            "sharded_variables": [v.path for v in runs[True].weights if kd.sharded.is_sharded(v)],
+        }
+        if not name.startswith("dcasgd"):  # Keras' own fit has no staleness to give it
+            local.fit(X[:32 * K], Y[:32 * K], batch_size=32, epochs=1, shuffle=False, verbose=0)
+            result["sharded_vs_keras"] = max_diff(runs[True].weights, local.weights)
+            result["slots_sharded_vs_keras"] = max_diff(
+                runs[True].optimizer.variables, local.optimizer.variables)
+        results[name] = result
+    return results
+
+
+def train():
+    results = {}
+    for label, sharded, local_steps in (("sharded", True, 1), ("unsharded", False, 1),
+                                        ("sharded_local_steps", True, 4)):
+        keras.utils.set_random_seed(2)
+        model = remote(ADAM, sharded)
+        history = model.fit(X, Y, batch_size=64, epochs=5, verbose=0, local_steps=local_steps)
+        results[label] = {"test_accuracy": float(model.evaluate(X_TEST, Y_TEST, verbose=0)[1]),
+                          "loss": history.history["loss"], "version": model.version}
+        if label == "sharded":
+            save(model)
+    return results
+
+
+def save(model):
+    model.save(os.path.join(OUT, "sharded.keras"))
+    model.save_weights(os.path.join(OUT, "sharded.weights.h5"))
+    np.savez(os.path.join(OUT, "sharded.npz"), predictions=model.predict(X_TEST, verbose=0),
+             **{f"opt_{i}": v.numpy() for i, v in enumerate(model.optimizer.variables)})
+
+
+class Seen(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+        self.weights = [w.numpy() for w in self.model.weights]
+
+
+def backup():
+    backup_dir = os.path.join(OUT, "backup")
+    first = remote(ADAM, True)
+    first.fit(X, Y, batch_size=64, epochs=2, verbose=0,
+              callbacks=[kd.callbacks.BackupAndRestore(backup_dir, delete_checkpoint=False)])
+    second, seen = remote(ADAM, True), Seen()
+    history = second.fit(X, Y, batch_size=64, epochs=3, verbose=0,
+                         callbacks=[kd.callbacks.BackupAndRestore(backup_dir), seen])
+    return {"epochs_run": len(history.history["loss"]),
+            "restored_difference": max_diff(seen.weights, first.weights)}
+
+
+def load():
+    reference = np.load(os.path.join(OUT, "one_device.npz"))
+    with strategy.scope():
+        model = keras.models.load_model(os.path.join(OUT, "one_device.keras"))
+    result = {
+        "placement": {v.path: devices(v) for v in model.weights if kd.sharded.is_sharded(v)},
+        "optimizer_placement": {v.path: devices(v) for v in model.optimizer.variables
+                                if kd.sharded.is_sharded(v)},
+        # A plain keras.Model: Keras' predict does not run under parameter
+        # servers (kd.AsyncModel's does), so call it on the chief.
+        "predictions": max_diff([model(X_TEST, training=False)], [reference["predictions"]]),
+        "optimizer_variables": len(model.optimizer.variables),
+        "optimizer_state": max_diff(model.optimizer.variables,
+                                    [reference[f"opt_{i}"] for i in range(len(model.optimizer.variables))]),
+    }
+    with strategy.scope():
+        fresh = recommender(ADAM(), kd.AsyncModel)
+    fresh.load_weights(os.path.join(OUT, "one_device.weights.h5"))
+    result["load_weights_predictions"] = max_diff([fresh.predict(X_TEST, verbose=0)],
+                                                  [reference["predictions"]])
+    before = float(fresh.evaluate(X_TEST, Y_TEST, verbose=0)[1])
+    fresh.fit(X, Y, batch_size=64, epochs=2, verbose=0)
+    result["accuracy_before_after"] = [before, float(fresh.evaluate(X_TEST, Y_TEST, verbose=0)[1])]
+    return result
+
+
+def main():
+    if MODE == "train":
+        result = {"placement": placement(), "equal": equal(), "train": train(),
+                  "backup": backup()}
+    else:
+        result = load()
+    with open(os.path.join(OUT, "result.json"), "w") as f:
+        json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main()

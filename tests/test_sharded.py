@@ -1,0 +1,149 @@
+"""Sharded variables (`variable_partitioner`) on parameter servers.
+
+Real clusters (tests/scripts/ps_sharded.py): the shards are on both
+parameter servers, optimizer slots are sharded like their variables, one
+worker's steps give Keras' own weights exactly, two asynchronous workers
+learn as well as unsharded, BackupAndRestore resumes, and saved files move
+between one device and clusters with 2 or 3 parameter servers.
+"""
+
+import os
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_dist as kd
+from keras_dist import sharded
+from test_async import run_script
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sharded_cases import data, recommender  # noqa: E402
+
+PS = ["/job:ps/replica:0/task:0/device:CPU:0", "/job:ps/replica:0/task:1/device:CPU:0"]
+
+
+def test_sharded_training_on_two_parameter_servers(tmp_path):
+    result, _ = run_script(tmp_path, "ps_sharded.py", "train", "2", ps=2)
+
+    # The partitioner split the table and the hidden kernel over both ps;
+    # every optimizer slot is split the same way, shard i beside shard i.
+    placement = result["placement"]
+    assert placement["model"] == {"table/embeddings": PS, "hidden/kernel": PS}
+    assert placement["optimizer"] == {
+        f"adam/{name}_{slot}": PS for name in ("table_embeddings", "hidden_kernel")
+        for slot in ("momentum", "velocity")}
+
+    # One worker, one execution of 4 steps: sharded equals the same model
+    # unsharded on the cluster and Keras' own fit on one device.
+    for name, case in result["equal"].items():
+        assert case["sharded_variables"] == ["table/embeddings", "hidden/kernel"], name
+        assert case["iterations"] == 4, name
+        assert case["sharded_vs_unsharded"] <= 1e-6, (name, case)
+        assert case["slots_sharded_vs_unsharded"] <= 1e-6, (name, case)
+        if name != "dcasgd":
+            assert case["sharded_vs_keras"] <= 1e-6, (name, case)
+            assert case["slots_sharded_vs_keras"] <= 1e-6, (name, case)
+    assert sorted(result["equal"]) == ["adam", "adam_clipnorm", "dcasgd", "momentum", "sgd"]
+
+    # Two workers, asynchronously: as accurate as unsharded; local steps too.
+    train = result["train"]
+    assert train["unsharded"]["test_accuracy"] >= 0.9, train
+    assert train["sharded"]["test_accuracy"] >= train["unsharded"]["test_accuracy"] - 0.03, train
+    assert train["sharded"]["version"] == 5 * 63
+    assert train["sharded_local_steps"]["test_accuracy"] >= 0.9, train
+
+    # BackupAndRestore: the second fit restored epoch 2's weights exactly
+    # and ran only the third epoch.
+    assert result["backup"] == {"epochs_run": 1, "restored_difference": 0.0}
+
+    # The sharded model's files hold whole tensors: they load on one device.
+    saved = np.load(tmp_path / "sharded.npz")
+    x_test, _ = data(1000, 1)
+    loaded = keras.models.load_model(tmp_path / "sharded.keras")
+    assert not any(sharded.is_sharded(v) for v in loaded.weights)
+    np.testing.assert_allclose(loaded.predict(x_test, verbose=0), saved["predictions"], atol=1e-6)
+    assert len(loaded.optimizer.variables) == 12  # iterations, lr, 2 slots x 5 weights
+    for i, variable in enumerate(loaded.optimizer.variables):
+        np.testing.assert_allclose(variable.numpy(), saved[f"opt_{i}"], atol=0, err_msg=variable.path)
+    fresh = recommender(keras.optimizers.Adam(0.01))
+    fresh.load_weights(tmp_path / "sharded.weights.h5")
+    np.testing.assert_allclose(fresh.predict(x_test, verbose=0), saved["predictions"], atol=1e-6)
+
+
+def test_one_device_model_loads_sharded_over_three_parameter_servers(tmp_path):
+    x, y = data(4000, 0)
+    x_test, _ = data(1000, 1)
+    keras.utils.set_random_seed(3)
+    model = recommender(keras.optimizers.Adam(0.01))
+    model.fit(x, y, batch_size=64, epochs=1, verbose=0)
+    model.save(tmp_path / "one_device.keras")
+    model.save_weights(tmp_path / "one_device.weights.h5")
+    np.savez(tmp_path / "one_device.npz", predictions=model.predict(x_test, verbose=0),
+             **{f"opt_{i}": v.numpy() for i, v in enumerate(model.optimizer.variables)})
+
+    result, _ = run_script(tmp_path, "ps_sharded.py", "load", "3", ps=3)
+    three = PS + ["/job:ps/replica:0/task:2/device:CPU:0"]
+    # The table is split three ways now; the 2 KB kernel in two 1 KB shards.
+    placement = result["placement"]
+    assert placement["table/embeddings"] == three
+    assert len(placement["hidden/kernel"]) == len(set(placement["hidden/kernel"])) == 2
+    assert result["optimizer_placement"] == {
+        f"adam/{name}_{slot}": placement[path] for name, path in (
+            ("table_embeddings", "table/embeddings"), ("hidden_kernel", "hidden/kernel"))
+        for slot in ("momentum", "velocity")}
+    assert result["optimizer_variables"] == 12
+    assert result["predictions"] <= 1e-6 and result["optimizer_state"] == 0.0, result
+    assert result["load_weights_predictions"] <= 1e-6, result
+    before, after = result["accuracy_before_after"]
+    assert after > before and after >= 0.9, result
+
+
+def test_partitioner_needs_parameter_servers():
+    partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner()
+    with pytest.raises(ValueError, match="variable_partitioner=.*parameter servers.*default"):
+        kd.resolve_strategy("default", variable_partitioner=partitioner)
+    with pytest.raises(ValueError, match="strategy instance"):
+        kd.resolve_strategy(tf.distribute.get_strategy(), variable_partitioner=partitioner)
+    model = recommender("sgd")
+    x, y = data(64, 0)
+    with pytest.raises(ValueError, match="variable_partitioner"):
+        kd.fit(model, x, y, epochs=1, verbose=0, strategy="default",
+               variable_partitioner=partitioner)
+
+
+def test_unsharded_variables_are_left_alone():
+    model = recommender("adam")
+    assert sharded.prepare(model) == []
+    assert "call" not in model.get_layer("table").__dict__
+    assert sharded.row_offsets(model.get_layer("table").embeddings) == [0]
+
+
+def _two_shards(value):
+    value = np.asarray(value, "float32")
+    return sharded.mark(sharded.ShardedVariable(
+        [tf.Variable(value[:3]), tf.Variable(value[3:])]))
+
+
+def test_gradient_of_a_sharded_variable_is_the_whole_variables_gradient():
+    value = np.arange(10, dtype="float32").reshape(5, 2)
+    weights = np.linspace(-1, 1, 10, dtype="float32").reshape(5, 2)
+    table, whole = _two_shards(value), tf.Variable(value)
+    ids = tf.constant([4, 0, 4, 2])
+    with tf.GradientTape(persistent=True) as tape:
+        dense = tf.reduce_sum(tf.convert_to_tensor(table) ** 2 * weights)
+        sparse = tf.reduce_sum(tf.nn.embedding_lookup(table.variables, ids) ** 3)
+        dense_ref = tf.reduce_sum(whole ** 2 * weights)
+        sparse_ref = tf.reduce_sum(tf.gather(whole, ids) ** 3)
+    got = tape.gradient(dense, table)
+    assert not isinstance(got, tf.IndexedSlices) and got.shape == (5, 2)
+    np.testing.assert_allclose(got, tape.gradient(dense_ref, whole))
+    got = tape.gradient(sparse, table)
+    assert isinstance(got, tf.IndexedSlices)  # only the rows looked up
+    assert sorted(got.indices.numpy().tolist()) == [0, 2, 4, 4]
+    np.testing.assert_allclose(tf.convert_to_tensor(got), tf.convert_to_tensor(
+        tape.gradient(sparse_ref, whole)))
+    np.testing.assert_array_equal(np.asarray(table), value)  # __array__, for saving
+    assert sharded.row_offsets(table) == [0, 3]
