@@ -34,22 +34,25 @@ to TF's own code unchanged):
   for an unsharded variable, and Keras' clipping, loss scaling and the
   user's `train_step` see the same thing; plus `read_value()` and
   `__array__` (saving).
-- `prepare(model)` makes each `keras.layers.Embedding` whose table is sharded
-  look rows up shard by shard (`tf.nn.embedding_lookup` over the shards,
-  TF's "div" layout, which is the partitioner's): a step reads only the rows
-  it needs, and the gradient is sparse, so the update writes only those
-  rows (`ShardedVariable.scatter_*`).
+- `prepare(model)` makes each `keras.layers.Embedding` look rows up shard by
+  shard (`tf.nn.embedding_lookup` over the shards, TF's "div" layout, which
+  is the partitioner's; a gather on an unsharded table): a step reads only
+  the rows it needs, and the gradient is sparse, so SGD writes only those
+  rows (`scatter_*` on each shard).
 
-The optimizer's updates then run Keras' own `update_step` on the whole
-variable: every read and every write goes to the shards where they live
-(`ShardedVariable.assign_*` writes each shard's slice on its own parameter
-server). Saving reads the shards together (`numpy()`), so `.keras` files and
+`prepare` also has Keras' elementwise optimizers (SGD, Adam, AdamW,
+RMSprop, Adagrad, ...) run their own `update_step` shard by shard, each on
+its shard's parameter server with that shard of every slot, as TF colocates
+an unsharded variable's update with it: only the gradient travels. Other
+optimizers (and weight decay, EMA, gradient accumulation) update the whole
+variable on the worker, reading and writing each shard where it lives
+(`ShardedVariable.assign_*`): exact as well, with more traffic. Saving reads the shards together (`numpy()`), so `.keras` files and
 `save_weights` files hold whole tensors, and loading splits them again:
 they load under any number of parameter servers, or none.
 
 Example:
 
->>> import keras_dist as kd
+>>> import keras, keras_dist as kd
 >>> kd.sharded.is_sharded(keras.Variable([1.0, 2.0]))
 False
 """
@@ -60,6 +63,8 @@ import functools
 import keras
 import tensorflow as tf
 
+from keras_dist import update
+
 ShardedVariable = tf.__internal__.distribute.ShardedVariable
 
 
@@ -69,6 +74,7 @@ def is_sharded(variable):
 
     Example:
 
+    >>> import keras, numpy as np, keras_dist as kd
     >>> kd.sharded.is_sharded(keras.Variable(np.zeros((3, 2))))
     False
     """
@@ -77,8 +83,18 @@ def is_sharded(variable):
 
 
 def shards(variable):
-    """The `tf.Variable` shards of a sharded variable, in row order."""
+    """The `tf.Variable` shards of a variable, in row order (one, the
+    variable itself, when it is not sharded).
+
+    Example:
+
+    >>> import keras, numpy as np, keras_dist as kd
+    >>> len(kd.sharded.shards(keras.Variable(np.zeros((5, 2)))))
+    1
+    """
     value = variable._value if isinstance(variable, keras.Variable) else variable
+    if not isinstance(value, ShardedVariable):
+        return [value]
     return list(value.variables)
 
 
@@ -87,6 +103,7 @@ def row_offsets(variable):
 
     Example:
 
+    >>> import keras, numpy as np, keras_dist as kd
     >>> kd.sharded.row_offsets(keras.Variable(np.zeros((5, 2))))
     [0]
     """
@@ -174,7 +191,8 @@ def install(strategy):
 
     Example:
 
-    >>> strategy = tf.distribute.get_strategy()
+    >>> import tensorflow as tf, keras_dist as kd
+    >>> strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
     >>> kd.sharded.install(strategy) is strategy
     True
     """
@@ -243,13 +261,17 @@ def _shaped_like(colocate, reference):
 
 
 def prepare(model):
-    """Readies `model`'s sharded variables for training: marks them (in case
-    they were created before `install`) and makes each `keras.layers.Embedding`
-    with a sharded table read only the rows it needs. Returns the sharded
-    variables' paths. Idempotent.
+    """Readies `model` for training on parameter servers: marks its sharded
+    variables (in case they were created before `install`), has elementwise
+    optimizers update them shard by shard, and makes each
+    `keras.layers.Embedding` read only the rows it needs (sharded or not:
+    Keras' `ops.take` reads the whole table, which on a parameter server
+    means sending all of it each step). Returns the sharded variables'
+    paths. Idempotent.
 
     Example:
 
+    >>> import keras, keras_dist as kd
     >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     >>> kd.sharded.prepare(model)
     []
@@ -263,22 +285,31 @@ def prepare(model):
     for variable in (optimizer.variables if optimizer is not None else ()):
         if is_sharded(variable):
             mark(variable._value)
-    if paths:
-        for layer in model._flatten_layers(include_self=False):
-            if (type(layer).call is keras.layers.Embedding.call
-                    and is_sharded(getattr(layer, "_embeddings", None))
-                    and not getattr(layer, "lora_enabled", False)
-                    and "call" not in layer.__dict__):
-                object.__setattr__(layer, "call", functools.partial(_embedding_call, layer))
+    for candidate in update.optimizer_chain(optimizer):
+        if type(candidate) in _ELEMENTWISE and "_distributed_tf_update_step" not in candidate.__dict__:
+            candidate.__dict__["_distributed_tf_update_step"] = functools.partial(
+                _update_step_per_shard, candidate,
+                type(candidate)._distributed_tf_update_step.__get__(candidate))
+    for layer in model._flatten_layers(include_self=False):
+        if (type(layer).call is keras.layers.Embedding.call
+                and getattr(layer, "_embeddings", None) is not None
+                and not getattr(layer, "lora_enabled", False)
+                and not getattr(layer, "quantization_mode", None)
+                and "call" not in layer.__dict__):
+            object.__setattr__(layer, "call", functools.partial(_embedding_call, layer))
     return paths
 
 
 def _embedding_call(layer, inputs):
-    """`keras.layers.Embedding.call` on a sharded table: the same result
-    (Keras' `ops.take`, negative ids counted from the end), reading from
-    each shard only the rows asked for."""
+    """`keras.layers.Embedding.call` reading only the rows asked for (from
+    each shard of a sharded table): the same result as Keras' `ops.take`,
+    negative ids counted from the end."""
     table = layer._embeddings.value
-    if not isinstance(table, ShardedVariable):
+    if isinstance(table, ShardedVariable):
+        params = list(table.variables)
+    elif isinstance(table, tf.Variable):
+        params = [table]  # a gather on the variable: its server sends the rows
+    else:
         # In a StatelessScope (local steps: the worker's own copy, a tensor)
         # or autocast: Keras' own lookup on that tensor.
         return keras.layers.Embedding.call(layer, inputs)
@@ -287,5 +318,67 @@ def _embedding_call(layer, inputs):
         ids = tf.cast(ids, tf.int32)
     rows = tf.cast(table.shape[0], ids.dtype)
     ids = tf.where(ids < 0, ids + rows, ids)
-    outputs = tf.nn.embedding_lookup(list(table.variables), ids)
+    outputs = tf.nn.embedding_lookup(params, ids)
     return keras.ops.cast(outputs, layer.compute_dtype)
+
+
+# Keras optimizers whose update of a variable is elementwise (each entry of
+# the new variable and slots depends only on the same entry): updating each
+# shard on its own gives exactly the whole update. Not Lamb (a per-variable
+# trust ratio), Adafactor (row / column statistics), Muon (whole matrices)
+# nor subclasses, which may change `update_step`: those update the whole
+# variable on the worker (exact too, with more traffic).
+_ELEMENTWISE = tuple(getattr(keras.optimizers, name) for name in (
+    "SGD", "Adam", "AdamW", "Adamax", "Nadam", "RMSprop", "Adagrad", "Adadelta", "Ftrl",
+    "Lion") if hasattr(keras.optimizers, name))
+
+
+def _update_step_per_shard(optimizer, original, distribution, grads_and_vars, learning_rate):
+    """The optimizer's `_distributed_tf_update_step` with each sharded
+    variable updated shard by shard, on the shard's own parameter server
+    (TF colocates an unsharded variable's update with it the same way): the
+    update reads and writes one shard of the variable and of each slot
+    there, and only the gradient travels."""
+    rest = []
+    for grad, var in grads_and_vars:
+        if isinstance(var, ShardedVariable) and grad is not None:
+            _update_shards(optimizer, grad, var, learning_rate)
+        else:
+            rest.append((grad, var))
+    return original(distribution, rest, learning_rate)
+
+
+def _update_shards(optimizer, grad, var, learning_rate):
+    index = optimizer._get_variable_index(var)
+    offsets = row_offsets(var)
+    # The slots sharded like `var` (other variables' slots with the same
+    # layout too: `update_step` reads only this variable's).
+    slots = [v for v in optimizer.variables
+             if is_sharded(v) and row_offsets(v) == offsets and v.shape == var.shape]
+    parts = _split_gradient(grad, offsets, var.variables)
+    for i, (shard, part) in enumerate(zip(var.variables, parts)):
+        optimizer._trainable_variables_indices[optimizer._var_key(shard)] = index
+        whole = [slot._value for slot in slots]
+        try:
+            for slot in slots:
+                slot._value = slot._value.variables[i]
+            with tf.device(shard.device):
+                optimizer.update_step(part, shard, learning_rate)
+        finally:
+            for slot, value in zip(slots, whole):
+                slot._value = value
+
+
+def _split_gradient(grad, offsets, parts):
+    """One gradient per shard: row slices, or the sparse rows of each shard
+    (with shard-local row ids)."""
+    if not isinstance(grad, tf.IndexedSlices):
+        return [grad[offset:offset + part.shape[0]] for offset, part in zip(offsets, parts)]
+    indices = tf.cast(grad.indices, tf.int64)
+    starts = tf.constant(offsets, tf.int64)
+    shard = tf.reduce_sum(tf.cast(indices[:, None] >= starts[None, 1:], tf.int32), axis=1)
+    local = indices - tf.gather(starts, shard)
+    ids = tf.dynamic_partition(local, shard, len(parts))
+    values = tf.dynamic_partition(grad.values, shard, len(parts))
+    return [tf.IndexedSlices(v, i, dense_shape=tf.constant([p.shape[0]] + p.shape[1:].as_list(), tf.int64))
+            for v, i, p in zip(values, ids, parts)]

@@ -114,11 +114,37 @@ def test_partitioner_needs_parameter_servers():
                variable_partitioner=partitioner)
 
 
-def test_unsharded_variables_are_left_alone():
+def test_prepared_embedding_equals_keras_lookup():
+    """On an unsharded table the row-wise lookup gives Keras' own outputs and
+    gradient (negative ids counted from the end, as Keras' take does)."""
     model = recommender("adam")
-    assert sharded.prepare(model) == []
-    assert "call" not in model.get_layer("table").__dict__
-    assert sharded.row_offsets(model.get_layer("table").embeddings) == [0]
+    table = model.get_layer("table")
+    ids = tf.constant([[3, -1, 0, 599, 7, 7, -600, 12]])
+    with tf.GradientTape() as tape:
+        expected = table(ids)
+        expected_loss = tf.reduce_sum(expected ** 2)
+    expected_grad = tape.gradient(expected_loss, table.embeddings)
+    assert sharded.prepare(model) == []  # nothing sharded on one device
+    assert "call" in table.__dict__
+    with tf.GradientTape() as tape:
+        got = table(ids)
+        loss = tf.reduce_sum(got ** 2)
+    grad = tape.gradient(loss, table.embeddings)
+    np.testing.assert_array_equal(got, expected)
+    assert isinstance(grad, tf.IndexedSlices)
+    np.testing.assert_allclose(tf.convert_to_tensor(grad), tf.convert_to_tensor(expected_grad))
+    assert sharded.row_offsets(table.embeddings) == [0]
+
+
+def test_gradient_split_by_shard():
+    grad = tf.IndexedSlices(tf.constant([[1.0], [2.0], [3.0], [4.0]]),
+                            tf.constant([4, 0, 3, 2]), tf.constant([5, 1]))
+    parts = sharded._split_gradient(grad, [0, 3], [tf.zeros((3, 1)), tf.zeros((2, 1))])
+    assert [p.indices.numpy().tolist() for p in parts] == [[0, 2], [1, 0]]
+    assert [p.values.numpy().ravel().tolist() for p in parts] == [[2.0, 4.0], [1.0, 3.0]]
+    dense = sharded._split_gradient(tf.reshape(tf.range(5.0), (5, 1)), [0, 3],
+                                    [tf.zeros((3, 1)), tf.zeros((2, 1))])
+    assert [d.numpy().ravel().tolist() for d in dense] == [[0.0, 1.0, 2.0], [3.0, 4.0]]
 
 
 def _two_shards(value):
