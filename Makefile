@@ -34,6 +34,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/fit_overhead.py
 	$(VENV)/bin/keras-dist-run --workers 2 --ps 1 -- $(PY) benchmarks/ps_throughput.py
 	$(PY) benchmarks/ps_startup.py
+	$(VENV)/bin/keras-dist-run --workers 2 --ps 2 -- $(PY) benchmarks/ps_sharded.py
 	$(PY) benchmarks/staleness_convergence.py --workers 4,16,64,256
 	$(PY) benchmarks/straggler.py
 	$(PY) benchmarks/report.py

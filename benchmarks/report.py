@@ -201,6 +201,42 @@ def straggler(lines):
                      "straggler](benchmarks/straggler.png)\n")
 
 
+def ps_sharded(lines):
+    data = load("ps_sharded")
+    lines.append("## Sharded embedding table on parameter servers (`ps_sharded.py`)\n")
+    if data is None:
+        lines.append("Not run.\n")
+        return
+    cfg = data["config"]
+    lines += [
+        f"Chief + {cfg['workers']} workers + {cfg['ps']} ps. `Embedding({cfg['vocab']:,} x "
+        f"{cfg['dim']})` ({cfg['vocab'] * cfg['dim'] * 4 / 1e6:.1f} MB), "
+        f"{cfg['ids_per_example']} Zipf-like ids per example, pooled, Dense(64), a sigmoid "
+        f"click; batch {cfg['batch']}; median of {cfg['repeats']} interleaved runs of "
+        f"{cfg['steps']} updates (min-max in brackets). Bytes: the cluster's own network "
+        "namespace's loopback counter, per update.\n",
+        "| optimizer | table | updates/s | MB per update | test accuracy |",
+        "|---|---|---|---|---|",
+    ]
+    labels = {"sharded": "sharded over 2 ps", "unsharded": "whole on 1 ps",
+              "unsharded_keras_lookup": "whole on 1 ps, Keras' own lookup"}
+    for name, result in data["results"].items():
+        for side, label in labels.items():
+            row = result[side]
+            lines.append(
+                f"| {name} | {label} | {row['updates_per_s']:.1f} "
+                f"[{row['range'][0]:.0f}-{row['range'][1]:.0f}] | "
+                f"{row['bytes_per_update'] / 1e6:.3f} | {100 * row['test_accuracy']:.1f}% |")
+    lines.append("")
+    for name, result in data["results"].items():
+        lines.append(
+            f"- {name}: sharded / whole: speed x{result['sharded_vs_unsharded']['speed']:.2f}, "
+            f"bytes x{result['sharded_vs_unsharded']['bytes']:.3f}; sharded / Keras' own "
+            f"lookup: speed x{result['sharded_vs_unsharded_keras_lookup']['speed']:.2f}, "
+            f"bytes x{result['sharded_vs_unsharded_keras_lookup']['bytes']:.3f}.")
+    lines.append("")
+
+
 def main():
     lines = [
         "# Benchmarks\n",
@@ -214,6 +250,7 @@ def main():
     fit_overhead(lines)
     ps_throughput(lines)
     ps_startup(lines)
+    ps_sharded(lines)
     staleness_convergence(lines)
     straggler(lines)
     with open(os.path.join(DOCS, "benchmarks.md"), "w") as f:
