@@ -43,10 +43,11 @@ def test_sharded_training_on_two_parameter_servers(tmp_path):
         assert case["iterations"] == 4, name
         assert case["sharded_vs_unsharded"] <= 1e-6, (name, case)
         assert case["slots_sharded_vs_unsharded"] <= 1e-6, (name, case)
-        if name != "dcasgd":
+        if name not in ("dcasgd", "gapaware", "dynsgd"):
             assert case["sharded_vs_keras"] <= 1e-6, (name, case)
             assert case["slots_sharded_vs_keras"] <= 1e-6, (name, case)
-    assert sorted(result["equal"]) == ["adam", "adam_clipnorm", "dcasgd", "momentum", "sgd"]
+    assert sorted(result["equal"]) == ["adam", "adam_clipnorm", "adamw", "dcasgd", "dynsgd",
+                                       "gapaware", "lamb", "momentum", "sgd"]
 
     # Two workers, asynchronously: as accurate as unsharded; local steps too.
     train = result["train"]
@@ -86,20 +87,24 @@ def test_one_device_model_loads_sharded_over_three_parameter_servers(tmp_path):
 
     result, _ = run_script(tmp_path, "ps_sharded.py", "load", "3", ps=3)
     three = PS + ["/job:ps/replica:0/task:2/device:CPU:0"]
-    # The table is split three ways now; the 2 KB kernel in two 1 KB shards.
+    # FixedShardsPartitioner(3): every variable with 3 rows or more in three
+    # shards (the hidden kernel's 16 rows as 6, 5, 5; biases too), one per
+    # parameter server; the 1-element output bias stays whole.
     placement = result["placement"]
-    assert placement["table/embeddings"] == three
-    assert len(placement["hidden/kernel"]) == len(set(placement["hidden/kernel"])) == 2
+    assert sorted(placement) == ["hidden/bias", "hidden/kernel", "out/kernel",
+                                 "table/embeddings"]
+    assert all(sorted(d) == three for d in placement.values())
     # (Optimizer names count up per process: "adam", "adam_1", ...)
     assert {path.split("/", 1)[1]: d for path, d in result["optimizer_placement"].items()} == {
-        f"{name}_{slot}": placement[path] for name, path in (
-            ("table_embeddings", "table/embeddings"), ("hidden_kernel", "hidden/kernel"))
+        f"{path.replace('/', '_')}_{slot}": placement[path] for path in placement
         for slot in ("momentum", "velocity")}
     assert result["optimizer_variables"] == 12
     assert result["predictions"] <= 1e-6 and result["optimizer_state"] == 0.0, result
     assert result["load_weights_predictions"] <= 1e-6, result
     before, after = result["accuracy_before_after"]
     assert after > before and after >= 0.9, result
+    assert sorted(result["kd_fit_table"]) == three
+    assert "already built its parameter-server strategy" in result["other_partitioner_error"]
 
 
 def test_partitioner_needs_parameter_servers():

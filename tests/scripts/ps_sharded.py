@@ -9,8 +9,9 @@ argv: out_dir mode max_shards
   - "placement": each sharded model / optimizer variable's shard devices;
   - "equal": one execution of K steps on one worker, sharded against the
     same model unsharded on the same cluster and against Keras' own
-    `model.fit` on one device, for SGD, momentum, Adam (+ clipnorm) and
-    DC-ASGD (reads the pulled weights): largest weight / slot differences;
+    `model.fit` on one device, for SGD, momentum, Adam (+ clipnorm), AdamW,
+    Lamb and three wrappers (DC-ASGD and Gap-Aware read the pulled
+    weights): largest weight / slot differences;
   - "train": two workers asynchronously, sharded and unsharded: test
     accuracy; and with local steps;
   - "backup": BackupAndRestore of a sharded model resumes (epochs run,
@@ -19,8 +20,9 @@ argv: out_dir mode max_shards
   sharded.weights.h5, sharded.npz: predictions and optimizer variables).
 - mode "load" (any number of parameter servers): loads
   out_dir/one_device.keras (saved by the test on one device), reports its
-  shards' devices, prediction and optimizer-state differences against
-  out_dir/one_device.npz, the same for `load_weights`, and trains it on.
+  shards' devices (FixedShardsPartitioner), prediction and optimizer-state
+  differences against out_dir/one_device.npz, the same for `load_weights`,
+  trains it on, and trains with `kd.fit(..., variable_partitioner=...)`.
 """
 
 import json
@@ -50,7 +52,10 @@ class Switchable(tf.distribute.experimental.partitioners.MinSizePartitioner):
         return super().__call__(shape, dtype, axis)
 
 
-PARTITIONER = Switchable(min_shard_bytes=1024, max_shards=MAX_SHARDS)
+if MODE == "train":
+    PARTITIONER = Switchable(min_shard_bytes=1024, max_shards=MAX_SHARDS)
+else:  # another of TF's partitioners: every variable in MAX_SHARDS shards
+    PARTITIONER = tf.distribute.experimental.partitioners.FixedShardsPartitioner(MAX_SHARDS)
 strategy = kd.resolve_strategy(variable_partitioner=PARTITIONER)
 if not isinstance(strategy, tf.distribute.ParameterServerStrategy):
     kd.serve()
@@ -96,8 +101,15 @@ OPTIMIZERS = {
     "momentum": lambda: keras.optimizers.SGD(0.5, momentum=0.9),
     "adam": lambda: keras.optimizers.Adam(0.01),
     "adam_clipnorm": lambda: keras.optimizers.Adam(0.01, clipnorm=0.02),
+    # Weight decay and a non-elementwise rule: whole-variable updates.
+    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
+    "lamb": lambda: keras.optimizers.Lamb(0.01),
+    # Wrappers: DC-ASGD and Gap-Aware read the pulled weights.
     "dcasgd": lambda: kd.optimizers.DCASGD(keras.optimizers.SGD(0.5), lambda_=0.5),
+    "gapaware": lambda: kd.optimizers.GapAware(keras.optimizers.SGD(0.5, momentum=0.9)),
+    "dynsgd": lambda: kd.optimizers.DynSGD(keras.optimizers.Adam(0.01)),
 }
+WRAPPERS = ("dcasgd", "gapaware", "dynsgd")
 
 
 def equal():
@@ -120,7 +132,7 @@ def equal():
             "iterations": int(runs[True].optimizer.iterations.numpy()),
             "sharded_variables": [v.path for v in runs[True].weights if kd.sharded.is_sharded(v)],
         }
-        if not name.startswith("dcasgd"):  # Keras' own fit has no staleness to give it
+        if name not in WRAPPERS:  # Keras' own fit has no staleness to give them
             local.fit(X[:32 * K], Y[:32 * K], batch_size=32, epochs=1, shuffle=False, verbose=0)
             result["sharded_vs_keras"] = max_diff(runs[True].weights, local.weights)
             result["slots_sharded_vs_keras"] = max_diff(
@@ -190,6 +202,16 @@ def load():
     before = float(fresh.evaluate(X_TEST, Y_TEST, verbose=0)[1])
     fresh.fit(X, Y, batch_size=64, epochs=2, verbose=0)
     result["accuracy_before_after"] = [before, float(fresh.evaluate(X_TEST, Y_TEST, verbose=0)[1])]
+    # kd.fit with the partitioner (the one this process's strategy has) and a
+    # model function: the model it trains is sharded.
+    history = kd.fit(lambda: recommender(ADAM()), X, Y, batch_size=64, epochs=1, verbose=0,
+                     variable_partitioner=PARTITIONER)
+    result["kd_fit_table"] = devices(history.model.get_layer("table").embeddings)
+    try:
+        kd.fit(lambda: recommender(ADAM()), X, Y, epochs=1, verbose=0,
+               variable_partitioner=tf.distribute.experimental.partitioners.MinSizePartitioner())
+    except ValueError as error:
+        result["other_partitioner_error"] = str(error)
     return result
 
 
