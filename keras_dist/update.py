@@ -135,7 +135,10 @@ def gated_writes(optimizer, keep):
 
     def assign(variable, value):
         def old(value):
-            current = variable.value if hasattr(variable, "value") else variable
+            # A keras.Variable's value; a tf.Variable (what Keras' TF optimizer
+            # hands update_step: Ftrl assigns its variable) is read as it is
+            # (its `.value` is a method).
+            current = variable.value if isinstance(variable, keras.Variable) else variable
             if isinstance(value, tf.IndexedSlices):
                 if hasattr(current, "sparse_read"):  # only those rows, from each shard
                     return tf.cast(current.sparse_read(value.indices), value.dtype)

@@ -281,3 +281,40 @@ def test_explicit_update_wins_over_the_provided_one():
         opt.apply(grad, variables)                                 # 1 / (9 + 1)
         opt.apply(grad, variables, update=UpdateInfo(staleness=0))  # 1 / (0 + 1)
     np.testing.assert_allclose(variables[0].numpy(), [-1.1], rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["sgd_momentum", "adam", "rmsprop", "ftrl", "adadelta"])
+def test_gated_writes_skip_everything_or_nothing(name):
+    """Gated updates (parameter servers' non-finite skips without a
+    conditional): keep=False leaves weights, slots and the step count as they
+    were; keep=True is the plain update. Ftrl assigns its variable itself
+    (a tf.Variable inside Keras' TF optimizer)."""
+    import tensorflow as tf
+
+    from keras_dist import update
+
+    make = {"sgd_momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+            "adam": lambda: keras.optimizers.Adam(0.1),
+            "rmsprop": lambda: keras.optimizers.RMSprop(0.1),
+            "ftrl": lambda: keras.optimizers.Ftrl(0.1, l1_regularization_strength=0.01),
+            "adadelta": lambda: keras.optimizers.Adadelta(1.0)}[name]
+    grads = [np.array([[0.5, -1.0], [2.0, 0.25]], "float32"), np.array([1.0, -2.0], "float32")]
+    results = {}
+    for keep in (None, True, False):
+        weights = [keras.Variable(np.ones((2, 2), "float32")), keras.Variable(np.zeros(2, "float32"))]
+        optimizer = make()
+        optimizer.build(weights)
+        assert update.gateable(optimizer)
+        optimizer.apply(grads, weights)  # some state to keep
+        before = [v.numpy().copy() for v in weights + optimizer.variables]
+        if keep is None:
+            optimizer.apply(grads, weights)
+        else:
+            with update.gated_writes(optimizer, tf.constant(keep)):
+                optimizer.apply(grads, weights)
+        results[keep] = (before, [v.numpy() for v in weights + optimizer.variables])
+    before, after = results[False]
+    for b, a in zip(before, after):
+        np.testing.assert_array_equal(a, b)
+    for plain, gated in zip(results[None][1], results[True][1]):
+        np.testing.assert_allclose(gated, plain, rtol=1e-6)
