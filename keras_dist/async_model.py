@@ -4,7 +4,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_dist import testing
+from keras_dist import sharded, testing
 from keras_dist.cluster import ClusterConfig
 from keras_dist.serve import serve
 
@@ -152,7 +152,8 @@ class AsyncModel(keras.Model):
         from keras_dist.sync_executor import SyncExecutor
 
         # On the chief, under the default strategy, reading the weights on
-        # the parameter servers.
+        # the parameter servers (embedding rows only: sharded.prepare).
+        sharded.prepare(self)
         return driver.evaluate(SyncExecutor.for_evaluation(self, tf.distribute.get_strategy()),
                                x, y,
                                batch_size=batch_size, verbose=verbose,
@@ -163,6 +164,7 @@ class AsyncModel(keras.Model):
         if not isinstance(self.distribute_strategy, tf.distribute.ParameterServerStrategy):
             return super().predict(x, batch_size=batch_size, verbose=verbose,
                                    steps=steps, callbacks=callbacks)
+        sharded.prepare(self)  # embedding lookups read only the rows they need
         dataset = x if isinstance(x, tf.data.Dataset) else tf.data.Dataset.from_tensor_slices(
             x).batch(batch_size or 32)
         if steps is not None:
