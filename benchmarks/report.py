@@ -24,6 +24,16 @@ def load(name):
         return json.load(f)
 
 
+def section(lines, name, heading):
+    """Appends the section's heading; returns the benchmark's results, or
+    `None` (and says "Not run.") when its JSON is missing."""
+    lines.append(heading + "\n")
+    data = load(name)
+    if data is None:
+        lines.append("Not run.\n")
+    return data
+
+
 def machine():
     import keras
     import tensorflow as tf
@@ -46,10 +56,8 @@ def machine():
 
 
 def fit_overhead(lines):
-    data = load("fit_overhead")
-    lines.append("## `keras_dist.fit` overhead on one device (`fit_overhead.py`)\n")
+    data = section(lines, "fit_overhead", "## `keras_dist.fit` overhead on one device (`fit_overhead.py`)")
     if data is None:
-        lines.append("Not run.\n")
         return
     med, mins = data["median_seconds"], data["min_seconds"]
     lines += [
@@ -65,10 +73,8 @@ def fit_overhead(lines):
 
 
 def ps_throughput(lines):
-    data = load("ps_throughput")
-    lines.append("## Parameter-server throughput (`ps_throughput.py`)\n")
+    data = section(lines, "ps_throughput", "## Parameter-server throughput (`ps_throughput.py`)")
     if data is None:
-        lines.append("Not run.\n")
         return
     summary = data["summary"]
     names = list(next(iter(summary.values()))["median_updates_per_s"])
@@ -113,10 +119,8 @@ def ps_throughput(lines):
 
 
 def ps_startup(lines):
-    data = load("ps_startup")
-    lines.append("## Whole-process time under parameter servers (`ps_startup.py`)\n")
+    data = section(lines, "ps_startup", "## Whole-process time under parameter servers (`ps_startup.py`)")
     if data is None:
-        lines.append("Not run.\n")
         return
     med = data["median_seconds"]
     lines += [
@@ -134,10 +138,8 @@ def ps_startup(lines):
 
 
 def staleness_convergence(lines):
-    data = load("staleness_convergence")
-    lines.append("## Accuracy under simulated staleness (`staleness_convergence.py`)\n")
+    data = section(lines, "staleness_convergence", "## Accuracy under simulated staleness (`staleness_convergence.py`)")
     if data is None:
-        lines.append("Not run.\n")
         return
     acc, taus = data["accuracy"], data["mean_tau"]
     counts = list(taus)
@@ -159,10 +161,8 @@ def staleness_convergence(lines):
 
 
 def straggler(lines):
-    data = load("straggler")
-    lines.append("## Synchronous vs asynchronous under a straggler (`straggler.py`)\n")
+    data = section(lines, "straggler", "## Synchronous vs asynchronous under a straggler (`straggler.py`)")
     if data is None:
-        lines.append("Not run.\n")
         return
     target = data["target_accuracy"]
     lines += [
@@ -202,10 +202,8 @@ def straggler(lines):
 
 
 def ps_sharded(lines):
-    data = load("ps_sharded")
-    lines.append("## Sharded embedding table on parameter servers (`ps_sharded.py`)\n")
+    data = section(lines, "ps_sharded", "## Sharded embedding table on parameter servers (`ps_sharded.py`)")
     if data is None:
-        lines.append("Not run.\n")
         return
     cfg = data["config"]
     lines += [
