@@ -46,7 +46,17 @@ its shard's parameter server with that shard of every slot, as TF colocates
 an unsharded variable's update with it: only the gradient travels. Other
 optimizers (and weight decay, EMA, gradient accumulation) update the whole
 variable on the worker, reading and writing each shard where it lives
-(`ShardedVariable.assign_*`): exact as well, with more traffic. Saving reads the shards together (`numpy()`), so `.keras` files and
+(`ShardedVariable.assign_*`): exact as well, with more traffic. Private names it relies on, all here and nowhere else: the strategy's
+`extended._create_variable` (the creator the strategy's scope calls),
+`tf.__internal__.distribute.ShardedVariable` and `tf.__internal__.CompositeTensor`
+(with TF's `__composite_gradient__` protocol), a `ShardedVariable`'s
+`_type_spec`; on Keras' side a variable's `_value`, an `Embedding`'s
+`_embeddings`, `Layer._flatten_layers`, and the TF optimizer's
+`_distributed_tf_update_step`, `_get_variable_index`, `_var_key` and
+`_trainable_variables_indices`. tests/test_sharded.py exercises each path
+against Keras' own results, so a change in either library shows there.
+
+Saving reads the shards together (`numpy()`), so `.keras` files and
 `save_weights` files hold whole tensors, and loading splits them again:
 they load under any number of parameter servers, or none.
 
