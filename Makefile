@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test docs bench clean
+.PHONY: demo test docs bench dist compat clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -39,5 +39,17 @@ bench: $(STAMP)
 	$(PY) benchmarks/straggler.py
 	$(PY) benchmarks/report.py
 
+## dist: the sdist and the wheel, in dist/
+dist: $(STAMP)
+	$(PY) -m pip install --quiet build
+	rm -rf dist
+	$(PY) -m build --outdir dist .
+
+## compat: the fast subset on each tested TensorFlow x Keras pair, from the wheel
+## (PAIRS=oldest|middle|newest|all; environments cached in .compat/)
+PAIRS ?= all
+compat: dist
+	$(PY) tools/compat.py --pairs $(PAIRS)
+
 clean:
-	rm -rf $(VENV) site build *.egg-info
+	rm -rf $(VENV) site build dist *.egg-info

@@ -28,6 +28,10 @@ if keras.backend.backend() != "tensorflow":
         "keras or keras_dist."
     )
 
+from keras_dist import versions  # noqa: E402
+
+versions.warn_if_untested()
+
 from keras_dist.cluster import ClusterConfig  # noqa: E402
 from keras_dist.async_model import AsyncModel  # noqa: E402
 from keras_dist.fit import evaluate, fit  # noqa: E402
@@ -41,7 +45,7 @@ from keras_dist.strategy import (  # noqa: E402
     resolve_strategy,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 
 __all__ = [
     "AsyncModel",
@@ -58,6 +62,7 @@ __all__ = [
     "serve",
     "sharded",
     "testing",
+    "versions",
 ]
 
 _logger = logging.getLogger("keras_dist")

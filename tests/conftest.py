@@ -7,6 +7,8 @@ lives here and not in a fixture.
 import os
 import sys
 
+import pytest
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.pop("TF_CONFIG", None)
 os.environ.pop("KERAS_DIST_STRATEGY", None)
@@ -19,3 +21,49 @@ tf.config.set_logical_device_configuration(
     _cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 
 CPUS = ["/cpu:0", "/cpu:1"]
+
+
+# ------------------------------------------------------------------ make compat
+# `@pytest.mark.compat("path")` names the tests that `make compat`
+# (tools/compat.py) runs against each tested TensorFlow x Keras pair, grouped
+# by the user-facing path they exercise. With KD_COMPAT_REPORT set, each
+# test's path and outcome are written there as JSON for the runner's table.
+_compat_paths = {}
+_compat_outcomes = {}
+
+
+def pytest_collection_finish(session):
+    for item in session.items:  # after -m / -k deselection
+        marker = item.get_closest_marker("compat")
+        if marker is not None:
+            if len(marker.args) != 1:
+                raise pytest.UsageError(
+                    f"{item.nodeid}: @pytest.mark.compat needs one path name, "
+                    f"e.g. @pytest.mark.compat('mirrored'); got {marker.args}")
+            _compat_paths[item.nodeid] = marker.args[0]
+
+
+def pytest_runtest_logreport(report):
+    if report.nodeid not in _compat_paths:
+        return
+    if report.failed or (report.when == "call" and report.outcome != "passed"):
+        _compat_outcomes[report.nodeid] = report.outcome
+    elif report.when == "call":
+        _compat_outcomes.setdefault(report.nodeid, "passed")
+
+
+def pytest_sessionfinish(session):
+    path = os.environ.get("KD_COMPAT_REPORT")
+    if not path:
+        return
+    import json
+
+    import keras
+    import keras_dist
+
+    rows = [{"test": nodeid, "path": _compat_paths[nodeid],
+             "outcome": _compat_outcomes.get(nodeid, "not run")}
+            for nodeid in _compat_paths]
+    with open(path, "w") as f:
+        json.dump({"tensorflow": tf.__version__, "keras": keras.version(),
+                   "keras_dist": keras_dist.__file__, "tests": rows}, f, indent=1)

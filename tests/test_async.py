@@ -27,6 +27,7 @@ def run_script(tmp_path, script, *args, ps=1, timeout=300):
         return json.load(f), proc.stdout
 
 
+@pytest.mark.compat("async")
 @pytest.mark.parametrize("steps_per_execution", ["1", "5"])
 def test_async_digits_training(tmp_path, steps_per_execution):
     result, output = run_script(tmp_path, "ps_train.py", steps_per_execution)
@@ -60,6 +61,7 @@ def test_async_digits_training(tmp_path, steps_per_execution):
     assert "[ps:0] keras_dist: ps:0 serving at 127.0.0.1:" in output
 
 
+@pytest.mark.compat("wrappers")
 def test_every_staleness_aware_wrapper_trains_asynchronously(tmp_path):
     results, _ = run_script(tmp_path, "ps_wrappers.py")
     assert sorted(results) == ["DCASGD", "DCASGD-adaptive", "DynSGD", "GapAware",

@@ -151,6 +151,7 @@ def _scalars(event_dir):
     return found
 
 
+@pytest.mark.compat("callbacks")
 def test_per_replica_metrics_under_mirrored_add_up(tmp_path, capsys):
     (x, y), _ = load_digits()
     x, y = x[:1280], y[:1280]  # 20 batches of 64, 32 per replica

@@ -48,6 +48,7 @@ MODULES = (
     "keras_dist.sharded",
     "keras_dist.simulate",
     "keras_dist.staleness",
+    "keras_dist.versions",
     "keras_dist.strategy",
     "keras_dist.testing",
 )

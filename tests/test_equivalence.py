@@ -38,6 +38,7 @@ def assert_equivalent(case, weights, history):
                                    err_msg=f"{case}: {key}")
 
 
+@pytest.mark.compat("mirrored")
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_mirrored_equals_one_device(strategy, case):
     x, y, kwargs = fit_arguments(case)

@@ -29,6 +29,7 @@ def replica_values(strategy, variable):
     return [t.numpy() for t in strategy.experimental_local_results(variable.value)]
 
 
+@pytest.mark.compat("default")
 def test_default_strategy_is_plain_keras_fit(data):
     x, y = data
     history = kd.fit(build_model, x, y, strategy="default", epochs=3, batch_size=32,
@@ -40,6 +41,7 @@ def test_default_strategy_is_plain_keras_fit(data):
         np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
+@pytest.mark.compat("mirrored")
 def test_mirrored_build_function_trains_with_identical_replicas(data):
     x, y = data
     strategy = kd.resolve_strategy("mirrored", devices=CPUS)

@@ -38,6 +38,7 @@ def _run_two_workers(tmp_path, input_mode):
     return results
 
 
+@pytest.mark.compat("multiworker")
 @pytest.mark.parametrize("input_mode", ["arrays", "dataset"])
 def test_two_workers_train_in_sync(tmp_path, input_mode):
     results = _run_two_workers(tmp_path, input_mode)

@@ -88,6 +88,7 @@ def test_outer_optimizer_must_be_an_optimizer():
                local_steps=2, outer_optimizer="sgd")
 
 
+@pytest.mark.compat("local steps")
 @pytest.mark.multiprocess
 def test_local_steps_on_a_real_cluster(tmp_path):
     from test_async import run_script

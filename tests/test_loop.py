@@ -68,6 +68,7 @@ def assert_same_history(h_a, h_b):
         np.testing.assert_allclose(h_a.history[key], h_b.history[key], rtol=1e-5)
 
 
+@pytest.mark.compat("mirrored")
 @pytest.mark.parametrize("kwargs", [
     dict(epochs=3, batch_size=32, shuffle=False),
     dict(epochs=2, batch_size=48, shuffle=False, validation_split=0.25),

@@ -97,6 +97,7 @@ def gap_aware(beta, eps):
     return rule
 
 
+@pytest.mark.compat("wrappers")
 @pytest.mark.parametrize("make, rule", [
     (lambda: DynSGD(keras.optimizers.SGD(LR)), dynsgd),
     (lambda: StalenessScaled(keras.optimizers.SGD(LR)), staleness_scaled),
@@ -150,6 +151,7 @@ WRAPPERS = {
 }
 
 
+@pytest.mark.compat("wrappers")
 @pytest.mark.parametrize("inner", sorted(INNERS))
 @pytest.mark.parametrize("wrapper", sorted(WRAPPERS))
 def test_zero_staleness_is_exactly_the_inner_optimizer(wrapper, inner):
@@ -204,6 +206,7 @@ def test_plain_fit_warns_once_and_trains_like_the_inner_optimizer():
     np.testing.assert_allclose(h_wrapped.history["loss"], h_bare.history["loss"], rtol=1e-6)
 
 
+@pytest.mark.compat("wrappers")
 @pytest.mark.parametrize("wrapper", sorted(WRAPPERS))
 def test_keras_save_load_then_training_continues(tmp_path, wrapper):
     from keras_dist.datasets import load_digits

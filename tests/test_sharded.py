@@ -25,6 +25,7 @@ from sharded_cases import data, recommender  # noqa: E402
 PS = ["/job:ps/replica:0/task:0/device:CPU:0", "/job:ps/replica:0/task:1/device:CPU:0"]
 
 
+@pytest.mark.compat("sharded")
 def test_sharded_training_on_two_parameter_servers(tmp_path):
     result, _ = run_script(tmp_path, "ps_sharded.py", "train", "2", ps=2)
 
@@ -161,6 +162,7 @@ def _two_shards(value):
         [tf.Variable(value[:3]), tf.Variable(value[3:])]))
 
 
+@pytest.mark.compat("sharded")
 def test_gradient_of_a_sharded_variable_is_the_whole_variables_gradient():
     value = np.arange(10, dtype="float32").reshape(5, 2)
     weights = np.linspace(-1, 1, 10, dtype="float32").reshape(5, 2)

@@ -75,6 +75,7 @@ def check_tensorboard(tmp_path, history, names):
                                    rtol=1e-5)
 
 
+@pytest.mark.compat("callbacks")
 def test_async_slowed_worker_is_flagged_and_per_worker_metrics_add_up(tmp_path):
     # A worker 4x slower does about 1/5 of the updates: 16 epochs of 20 give it
     # well over one window (40) of its own steps (8 epochs gave 32-50: flaky).
