@@ -25,7 +25,6 @@ from sharded_cases import data, recommender  # noqa: E402
 PS = ["/job:ps/replica:0/task:0/device:CPU:0", "/job:ps/replica:0/task:1/device:CPU:0"]
 
 
-@pytest.mark.compat("sharded")
 def test_sharded_training_on_two_parameter_servers(tmp_path):
     result, _ = run_script(tmp_path, "ps_sharded.py", "train", "2", ps=2)
 
@@ -77,6 +76,7 @@ def test_sharded_training_on_two_parameter_servers(tmp_path):
     np.testing.assert_allclose(fresh.predict(x_test, verbose=0), saved["predictions"], atol=1e-6)
 
 
+@pytest.mark.compat("sharded")
 def test_one_device_model_loads_sharded_over_three_parameter_servers(tmp_path):
     x, y = data(4000, 0)
     x_test, _ = data(1000, 1)

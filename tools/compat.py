@@ -91,8 +91,9 @@ def prepare(pair, cache, wheel):
     if not os.path.exists(python):
         run([sys.executable, "-m", "venv", "--clear", env])
         run([python, "-m", "pip", "install", "--quiet", "--upgrade", "pip"])
-    quiet = {"stdout": subprocess.DEVNULL}
-    run([python, "-m", "pip", "uninstall", "--quiet", "--yes", "keras-dist"], **quiet)
+    # A fresh environment has no keras-dist yet; pip's notice says so.
+    run([python, "-m", "pip", "uninstall", "--quiet", "--yes", "keras-dist"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     run([python, "-m", "pip", "install", "--quiet", f"{wheel}[test]",
          f"tensorflow=={tf_version}", f"keras=={keras_version}"])
     return python
@@ -113,13 +114,20 @@ def run_subset(python, work, extra_args):
         return code, json.load(f)
 
 
+# Columns in this order; paths not listed follow in the order first seen.
+PATHS = ("default", "mirrored", "multiworker", "async", "local steps", "sharded",
+         "wrappers", "callbacks", "wheel")
+
+
 def table(results):
-    """Pair x path: `pass`, `FAIL` (naming how many of its tests failed) or `-`."""
-    paths = []
+    """Pair x path: `pass N`, `FAIL bad/N` or `-` (not run)."""
+    paths = list(PATHS)
     for _, data in results:
         for row in (data or {}).get("tests", []):
             if row["path"] not in paths:
                 paths.append(row["path"])
+    seen = {row["path"] for _, data in results for row in (data or {}).get("tests", [])}
+    paths = [p for p in paths if p in seen]
     header = ["TensorFlow / Keras"] + paths
     lines = []
     for (pair, data) in results:
