@@ -1,8 +1,8 @@
 """The bundled default dataset: scikit-learn's 8x8 handwritten digits.
 
 1,797 real images shipped inside scikit-learn (no download), so examples,
-tests and benchmarks run anywhere. Needs the `examples` or `test` extra
-(`pip install keras-dist[examples]`).
+tests and benchmarks run anywhere. Needs scikit-learn (`pip install
+scikit-learn`; the wheel's `examples` and `test` extras have it).
 """
 
 
@@ -30,7 +30,7 @@ def load_digits(test_fraction=0.2, seed=0):
     except ImportError as error:
         raise ImportError(
             "keras_dist.datasets.load_digits needs scikit-learn: "
-            "pip install 'keras-dist[examples]'"
+            "pip install scikit-learn (the keras-dist wheel's 'examples' extra has it)"
         ) from error
     digits = sklearn_digits()
     x = (digits.data / 16.0).astype("float32")

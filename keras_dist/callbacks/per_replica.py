@@ -107,8 +107,8 @@ class PerReplicaMetrics(ReplicaCallback):
         if log_dir is not None and importlib.util.find_spec("tensorboard") is None:
             raise ImportError(
                 "PerReplicaMetrics(log_dir=...) writes TensorBoard event files, which "
-                "needs the `tensorboard` package: pip install tensorboard (or "
-                "pip install 'keras-dist[tensorboard]'), or pass log_dir=None.")
+                "needs the `tensorboard` package: pip install tensorboard (the "
+                "keras-dist wheel's 'tensorboard' extra has it), or pass log_dir=None.")
         self.log_dir = None if log_dir is None else os.fspath(log_dir)
         self.table = bool(table)
         self.epoch_metrics, self.totals = {}, {}
