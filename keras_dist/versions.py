@@ -71,7 +71,9 @@ def outside_tested_range(tensorflow=None, keras_version=None):
 
     Returns:
         A list of strings like `"tensorflow 2.22.0 (tested: 2.16 to 2.21)"`,
-        empty when both are in range.
+        empty when both are in range. A version below the range is below
+        the supported minimum (pip refuses it unless told `--no-deps`) and
+        says so.
 
     Example:
 
@@ -79,13 +81,17 @@ def outside_tested_range(tensorflow=None, keras_version=None):
     []
     >>> outside_tested_range("2.22.0", "3.10.0")
     ['tensorflow 2.22.0 (tested: 2.16 to 2.21)']
+    >>> outside_tested_range("2.16.2", "3.9.2")
+    ['keras 3.9.2 (below the supported minimum 3.10)']
     """
     found = []
     for name, version in (("tensorflow", tensorflow or tf.__version__),
                           ("keras", keras_version or keras.version())):
         low, high = TESTED_RANGE[name]
         minor = parse(version)[:2]
-        if not parse(low) <= minor <= parse(high):
+        if minor < parse(low):
+            found.append(f"{name} {version} (below the supported minimum {low})")
+        elif minor > parse(high):
             found.append(f"{name} {version} (tested: {low} to {high})")
     return found
 
@@ -110,9 +116,13 @@ def warn_if_untested():
     found = outside_tested_range()
     if found and not _warned:
         _warned.append(True)
-        warnings.warn(
-            "keras_dist has not been tested with " + " and ".join(found) + ". It may "
-            "work; if something fails, try a tested version (see "
-            "docs/compatibility.md) and report what you found.",
-            RuntimeWarning, stacklevel=3)
+        if any("below the supported minimum" in f for f in found):
+            advice = ("Distributed training is known to go wrong there (Keras before "
+                      "3.10 miscounts metrics and losses across replicas); upgrade, see "
+                      "docs/compatibility.md.")
+        else:
+            advice = ("It may work; if something fails, try a tested version (see "
+                      "docs/compatibility.md) and report what you found.")
+        warnings.warn(f"keras_dist has not been tested with {' and '.join(found)}. {advice}",
+                      RuntimeWarning, stacklevel=3)
     return found

@@ -80,3 +80,12 @@ def test_an_untested_version_warns_once(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         versions.warn_if_untested()  # the second time: no warning
+
+
+def test_a_version_below_the_minimum_says_what_goes_wrong(monkeypatch):
+    monkeypatch.setattr(keras, "version", lambda: "3.9.2")
+    monkeypatch.setattr(versions, "_warned", [])
+    low = versions.TESTED_RANGE["keras"][0]
+    with pytest.warns(RuntimeWarning, match=re.escape(
+            f"keras 3.9.2 (below the supported minimum {low})") + ".*known to go wrong"):
+        versions.warn_if_untested()
