@@ -115,8 +115,10 @@ class AsyncModel(keras.Model):
                 staleness-aware wrappers go here. `None`: the change is added.
             **kwargs: `keras.Model.fit`'s arguments.
         """
+        from keras_dist import data as data_lib
         from keras_dist import local_steps as local_steps_lib
 
+        data_lib.check_fit_counts(**kwargs)
         strategy = self.distribute_strategy
         if not isinstance(strategy, tf.distribute.ParameterServerStrategy):
             serve_if_serving_task()  # a worker / ps task of the cluster serves here

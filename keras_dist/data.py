@@ -8,6 +8,7 @@ data handling cannot be (see `keras_dist.driver`).
 
 import dataclasses
 import math
+import numbers
 from typing import Any, Optional
 
 import numpy as np
@@ -283,6 +284,45 @@ def check_validation_freq(validation_freq):
         raise ValueError(
             f"`validation_freq` must be an integer >= 1 or a list of epochs. "
             f"Received: validation_freq={validation_freq!r}.")
+
+
+# fit()'s counting arguments: (name, smallest allowed, whether None is allowed).
+_COUNTS = (("batch_size", 1, True), ("epochs", 0, False), ("initial_epoch", 0, False),
+           ("steps_per_epoch", 1, True), ("validation_steps", 1, True),
+           ("validation_batch_size", 1, True))
+
+
+def check_fit_counts(**kwargs):
+    """Rejects a non-integer or too small `batch_size`, `epochs`, ... early.
+
+    Keras' `fit` accepts `batch_size=0` or `epochs=-3` and then trains
+    nothing or fails deep inside; keras_dist says which value is wrong
+    before any strategy or cluster is touched. Arguments not passed are not
+    checked; integer-valued NumPy scalars are integers.
+
+    Example:
+
+    >>> check_fit_counts(batch_size=32, epochs=0, steps_per_epoch=None)
+    >>> check_fit_counts(batch_size=0)
+    Traceback (most recent call last):
+    ...
+    ValueError: `batch_size` must be an integer >= 1 or None. Received: batch_size=0.
+    """
+    for name, smallest, none_ok in _COUNTS:
+        if name not in kwargs:
+            continue
+        value = kwargs[name]
+        if value is None and none_ok:
+            continue
+        if (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+                or value < smallest):
+            allowed = f"an integer >= {smallest}" + (" or None" if none_ok else "")
+            hint = ""
+            if isinstance(value, float) and value.is_integer():
+                hint = f" Pass int({value!r})."
+            raise ValueError(f"`{name}` must be {allowed}. Received: {name}={value!r}.{hint}")
+    if "validation_freq" in kwargs:
+        check_validation_freq(kwargs["validation_freq"])
 
 
 def should_eval(epoch, validation_freq):

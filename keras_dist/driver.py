@@ -127,7 +127,10 @@ def fit(executor, x=None, y=None, *, batch_size=None, epochs=1,
     """
     model = executor.model
     verbose = resolve_verbose(verbose, executor.parameter_server)
-    data_lib.check_validation_freq(validation_freq)
+    data_lib.check_fit_counts(
+        batch_size=batch_size, epochs=epochs, initial_epoch=initial_epoch,
+        steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
+        validation_batch_size=validation_batch_size, validation_freq=validation_freq)
     if validation_split and validation_data is None:
         if isinstance(x, tf.data.Dataset) or data_lib.is_dataset_fn(x):
             raise ValueError(

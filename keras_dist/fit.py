@@ -16,6 +16,7 @@ import warnings
 import keras
 import tensorflow as tf
 
+from keras_dist import data as data_lib
 from keras_dist import driver
 from keras_dist import local_steps as local_steps_lib
 from keras_dist import strategy as strategy_lib
@@ -114,9 +115,13 @@ def fit(model, x=None, y=None, *, strategy="auto", cluster=None, nonfinite_updat
     Raises:
         TypeError: if `model` is neither a `keras.Model` nor a function
             returning one.
-        ValueError: if the model is not compiled, or for bad strategy or
-            data arguments (each message names the value and the fix).
+        ValueError: if the model is not compiled, for bad strategy or data
+            arguments, or for a `batch_size`, `epochs`, `initial_epoch`,
+            `steps_per_epoch`, `validation_steps` or `validation_batch_size`
+            that is not an integer in range (Keras accepts `batch_size=0` or
+            `epochs=-3` silently); each message names the value and the fix.
     """
+    data_lib.check_fit_counts(**fit_kwargs)  # batch_size=0, epochs=-3, ...: before anything
     if nonfinite_updates is not None:
         update.NonFinitePolicy(nonfinite_updates)  # validates it before anything starts
     if isinstance(cluster, dict):

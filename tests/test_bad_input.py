@@ -107,7 +107,37 @@ CASES = {
     "slow_worker_env_malformed": (
         lambda: kd.testing.slow_workers_from_env({"KERAS_DIST_SLOW_WORKER": "1x3"}),
         ValueError, "each item must be `index:factor`"),
+    # fit()'s counts (Keras itself accepts these and trains nothing or fails deep inside)
+    "batch_size_zero": (lambda: _fit_digits(batch_size=0), ValueError,
+                        r"`batch_size` must be an integer >= 1 or None\. Received: batch_size=0\."),
+    "epochs_negative": (lambda: _fit_digits(epochs=-3), ValueError,
+                        r"`epochs` must be an integer >= 0\. Received: epochs=-3\."),
+    "steps_per_epoch_float": (lambda: _fit_digits(steps_per_epoch=2.0), ValueError,
+                              r"`steps_per_epoch` must be an integer >= 1 or None\. "
+                              r"Received: steps_per_epoch=2\.0\. Pass int\(2\.0\)\."),
+    "validation_steps_zero": (lambda: _fit_digits(validation_steps=0), ValueError,
+                              "`validation_steps` must be an integer >= 1 or None"),
+    "async_model_batch_size_negative": (
+        lambda: _async_model().fit(np.ones((4, 3)), np.ones((4, 1)), batch_size=-1, verbose=0),
+        ValueError, r"`batch_size` must be an integer >= 1 or None\. Received: batch_size=-1\."),
 }
+
+
+def _small_model():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    return model
+
+
+def _fit_digits(**kwargs):
+    kd.fit(_small_model(), np.ones((8, 3)), np.ones((8, 1)), verbose=0, **kwargs)
+
+
+def _async_model():
+    inputs = keras.Input((3,))
+    model = kd.AsyncModel(inputs, keras.layers.Dense(1)(inputs))
+    model.compile("sgd", "mse")
+    return model
 
 
 def _nonfinite(mode):
