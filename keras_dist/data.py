@@ -258,10 +258,9 @@ def per_worker_input(strategy, x, y=None, sample_weight=None, *, batch_size=None
 
 
 def check_steps(steps, what="steps_per_epoch"):
-    """`steps_per_epoch` / `validation_steps`: `None` or a positive integer."""
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int)
-                              or steps < 1):
-        raise ValueError(f"`{what}` must be a positive integer. Received: {steps!r}.")
+    """`steps_per_epoch` / `validation_steps` / `steps`: `None` or an integer >= 1
+    (the rule of `check_fit_counts`)."""
+    check_fit_counts(**{what: steps})
 
 
 def unpack_validation(validation_data):
@@ -289,7 +288,7 @@ def check_validation_freq(validation_freq):
 # fit()'s counting arguments: (name, smallest allowed, whether None is allowed).
 _COUNTS = (("batch_size", 1, True), ("epochs", 0, False), ("initial_epoch", 0, False),
            ("steps_per_epoch", 1, True), ("validation_steps", 1, True),
-           ("validation_batch_size", 1, True))
+           ("validation_batch_size", 1, True), ("steps", 1, True))
 
 
 def check_fit_counts(**kwargs):

@@ -203,6 +203,7 @@ def evaluate(executor, x=None, y=None, *, batch_size=None,
     """Evaluates `executor.model`; `keras.Model.evaluate`'s arguments."""
     model = executor.model
     verbose = resolve_verbose(verbose, False)
+    data_lib.check_fit_counts(batch_size=batch_size, steps=steps)
     val = executor.eval_input(x, y, sample_weight, batch_size=batch_size, steps=steps)
     if not isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = keras.callbacks.CallbackList(

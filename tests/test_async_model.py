@@ -130,7 +130,8 @@ def test_async_input_errors_are_clear():
         per_worker_input(None, unknown, batch_size=8)
     with pytest.raises(ValueError, match="dataset_fn.*pass `steps_per_epoch`"):
         per_worker_input(None, lambda ctx: unknown, batch_size=8)
-    with pytest.raises(ValueError, match="positive integer. Received: 0"):
+    with pytest.raises(ValueError, match="`steps_per_epoch` must be an integer >= 1 or None. "
+                                         "Received: steps_per_epoch=0"):
         per_worker_input(None, np.zeros((4, 2)), np.zeros(4), batch_size=8, steps=0)
 
 

@@ -238,3 +238,17 @@ def test_bad_arguments(strategy, data, kwargs, message):
         args["validation_data"] = (x[:10], y[:10])
     with pytest.raises(ValueError, match=message):
         own_fit(build(strategy), strategy, x, **args)
+
+
+def test_numpy_integer_counts_are_integers(strategy, data):
+    """One rule for counts (keras_dist.data.check_fit_counts): NumPy integers
+    are accepted for `epochs` and `steps_per_epoch` as Keras accepts them,
+    and `evaluate`'s `steps=0` names `steps`."""
+    x, y = data
+    model = build(strategy)
+    history = own_fit(model, strategy, x, y, batch_size=20, epochs=np.int64(2),
+                      steps_per_epoch=np.int64(3), verbose=0)
+    assert len(history.history["loss"]) == 2
+    with pytest.raises(ValueError, match=r"`steps` must be an integer >= 1 or None\. "
+                                         r"Received: steps=0\."):
+        own_evaluate(model, strategy, x, y, steps=0, verbose=0)

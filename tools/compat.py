@@ -17,7 +17,7 @@ with `--pairs`), this
 Usage:
 
     python tools/compat.py                   # every tested pair
-    python tools/compat.py --pairs oldest    # oldest | middle | newest | 2.18.1/3.8.0
+    python tools/compat.py --pairs oldest    # oldest | middle | newest | 2.18.1/3.12.4
     python tools/compat.py --list            # the pairs, then exit
 
 This tool imports neither TensorFlow nor keras_dist; the pairs are read
@@ -36,7 +36,6 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NAMES = ("oldest", "middle", "newest")
 
 
 def tested_pairs():
@@ -51,7 +50,7 @@ def tested_pairs():
 
 
 def select(pairs, spec):
-    """`oldest,newest` or `2.18.1/3.8.0` -> the matching pairs, in order."""
+    """`oldest,newest` or `2.18.1/3.12.4` -> the matching pairs, in order."""
     if spec in (None, "", "all"):
         return pairs
     named = {"oldest": pairs[0], "middle": pairs[len(pairs) // 2], "newest": pairs[-1]}
