@@ -23,7 +23,7 @@ test: $(STAMP)
 	@$(PY) -m pytest; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; \
 	exit $$rc
-	$(VENV)/bin/mkdocs build --strict --quiet --site-dir $(VENV)/site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir $(VENV)/site
 
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict --site-dir site

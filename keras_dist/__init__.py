@@ -7,8 +7,10 @@ Example:
 'default'
 """
 
+import importlib
 import logging
 import os
+from typing import TYPE_CHECKING
 
 _backend = os.environ.get("KERAS_BACKEND", "").strip()
 if _backend and _backend != "tensorflow":
@@ -18,52 +20,57 @@ if _backend and _backend != "tensorflow":
         "it) before importing keras or keras_dist."
     )
 
-import keras  # noqa: E402
-
-if keras.backend.backend() != "tensorflow":
-    raise ImportError(
-        "keras_dist runs on TensorFlow's distributed runtime, but Keras is "
-        f"configured for the {keras.backend.backend()!r} backend (see "
-        "~/.keras/keras.json). Set KERAS_BACKEND=tensorflow before importing "
-        "keras or keras_dist."
-    )
-
-from keras_dist import versions  # noqa: E402
-
-versions.warn_if_untested()
-
-from keras_dist.cluster import ClusterConfig  # noqa: E402
-from keras_dist.async_model import AsyncModel  # noqa: E402
-from keras_dist.fit import evaluate, fit  # noqa: E402
-from keras_dist.serve import serve  # noqa: E402
-from keras_dist import callbacks, optimizers, sharded, testing  # noqa: E402
-from keras_dist.strategy import (  # noqa: E402
-    StrategyChoice,
-    StrategyKind,
-    build_strategy,
-    choose_strategy,
-    resolve_strategy,
-)
-
 __version__ = "0.2.0.dev0"
 
-__all__ = [
-    "AsyncModel",
-    "ClusterConfig",
-    "StrategyChoice",
-    "StrategyKind",
-    "build_strategy",
-    "callbacks",
-    "choose_strategy",
-    "evaluate",
-    "fit",
-    "optimizers",
-    "resolve_strategy",
-    "serve",
-    "sharded",
-    "testing",
-    "versions",
-]
+# Public name -> the module that defines it. Loaded on first use (PEP 562), so
+# that `import keras_dist` does not import TensorFlow: the launcher and
+# `keras_dist.recipes` run without it.
+_EXPORTS = {
+    "AsyncModel": "keras_dist.async_model",
+    "ClusterConfig": "keras_dist.cluster",
+    "NonFiniteUpdateError": "keras_dist.update",
+    "StrategyChoice": "keras_dist.strategy",
+    "StrategyKind": "keras_dist.strategy",
+    "build_strategy": "keras_dist.strategy",
+    "choose_strategy": "keras_dist.strategy",
+    "evaluate": "keras_dist.training",
+    "fit": "keras_dist.training",
+    "resolve_strategy": "keras_dist.strategy",
+    "serve": "keras_dist.serving",
+}
+_SUBMODULES = ("callbacks", "flags", "optimizers", "recipes", "sharded", "testing",
+               "versions")
+
+__all__ = sorted([*_EXPORTS, *_SUBMODULES])
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time see __getattr__
+    from keras_dist import (  # noqa: F401
+        callbacks, flags, optimizers, recipes, sharded, testing, versions)
+    from keras_dist.async_model import AsyncModel  # noqa: F401
+    from keras_dist.cluster import ClusterConfig  # noqa: F401
+    from keras_dist.serving import serve  # noqa: F401
+    from keras_dist.update import NonFiniteUpdateError  # noqa: F401
+    from keras_dist.strategy import (  # noqa: F401
+        StrategyChoice, StrategyKind, build_strategy, choose_strategy, resolve_strategy)
+    from keras_dist.training import evaluate, fit  # noqa: F401
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        from keras_dist import _runtime  # noqa: F401  (backend and version checks)
+
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"keras_dist.{name}")
+    else:
+        raise AttributeError(f"module 'keras_dist' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
 
 _logger = logging.getLogger("keras_dist")
 if not _logger.handlers:

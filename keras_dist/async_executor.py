@@ -45,6 +45,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 from keras_dist import data as data_lib
 from keras_dist import driver
 from keras_dist import local_steps as local_steps_lib
@@ -54,7 +55,8 @@ from keras_dist import update
 from keras_dist.callbacks import base as replica_cbs
 from keras_dist.optimizers.base import StalenessAwareOptimizer, staleness_aware_in
 from keras_dist.staleness import StalenessStats, StepRecord, VersionCounter
-from keras_dist.sync_executor import SyncExecutor, quiet_tf_logger
+from keras_dist._runtime import quiet_tf_logger
+from keras_dist.sync_executor import SyncExecutor
 
 logger = logging.getLogger("keras_dist")
 

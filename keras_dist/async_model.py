@@ -4,9 +4,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 from keras_dist import sharded, testing
 from keras_dist.cluster import ClusterConfig
-from keras_dist.serve import serve
+from keras_dist.serving import serve
 
 
 def serve_if_serving_task(cluster=None):

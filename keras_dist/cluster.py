@@ -14,10 +14,21 @@ import os
 import socket
 from typing import Mapping, Optional, Tuple
 
-import tensorflow as tf
+# TensorFlow is imported inside the few methods that need it: the launcher and
+# keras_dist.recipes use this module without loading TensorFlow.
 
 ROLES = ("chief", "worker", "ps", "evaluator")
 """Role names a cluster may contain, in TensorFlow's spelling."""
+
+SLURM_JOBS_ENV = "KERAS_DIST_SLURM_JOBS"
+"""Environment variable naming the roles of a SLURM job step.
+
+Comma-separated `role:count` pairs, e.g. `"chief:1,ps:1,worker:2"`; read by
+`ClusterConfig.from_env()` (not by `from_slurm()`, which takes `jobs=`). The
+`--emit slurm` recipes of `keras-dist-run` export it.
+"""
+
+_SLURM_JOBS_EXAMPLE = f"{SLURM_JOBS_ENV}=chief:1,ps:1,worker:2"
 
 _TF_CONFIG_EXAMPLE = (
     '{"cluster": {"worker": ["host1:2222", "host2:2222"]}, '
@@ -244,10 +255,24 @@ class ClusterConfig:
         `SLURM_STEP_TASKS_PER_NODE`), then validates the result like any other
         cluster. It never sets `CUDA_VISIBLE_DEVICES`.
 
+        Ranks go to roles the way TensorFlow's resolver hands them out: the
+        roles in alphabetical order of their names (`chief`, `evaluator`,
+        `ps`, `worker`), each taking the next `count` ranks, whatever the
+        order of `jobs`. So `{"chief": 1, "worker": 2, "ps": 1}` makes rank 0
+        the chief, rank 1 ps 0, and ranks 2 and 3 workers 0 and 1. Rank `r`'s
+        address is the `r`-th slot of the step's nodes sorted by name (ports
+        from `port_base` up on each node), which is the node `srun` runs it on
+        with `--distribution=block` and node names that sort as text in
+        node order (`node[01-10]`, not `node[1-10]`).
+
+        This method reads only its arguments and the four SLURM variables, not
+        `KERAS_DIST_SLURM_JOBS` (`SLURM_JOBS_ENV`): `from_env()` reads that
+        variable and passes it here as `jobs`.
+
         Args:
             jobs: Dict or `None`. Role to number of tasks, e.g.
-                `{"chief": 1, "worker": 3, "ps": 1}`. Defaults to every task a
-                `worker`.
+                `{"chief": 1, "worker": 3, "ps": 1}`; the counts must add up to
+                `SLURM_STEP_NUM_TASKS`. Defaults to every task a `worker`.
             port_base: Integer. First port on each node. Defaults to `8888`.
             environ: Mapping or `None`. Environment to read; defaults to
                 `os.environ`.
@@ -264,6 +289,24 @@ class ClusterConfig:
         >>> config = kd.ClusterConfig.from_slurm(environ=env)
         >>> config.cluster["worker"], config.task_index
         (('node1:8888', 'node2:8888'), 1)
+
+        With roles (rank 1 is the parameter server: `ps` sorts before
+        `worker`):
+
+        >>> env = {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "4",
+        ...        "SLURM_STEP_NODELIST": "node[1-4]",
+        ...        "SLURM_STEP_TASKS_PER_NODE": "1(x4)"}
+        >>> config = kd.ClusterConfig.from_slurm(
+        ...     jobs={"chief": 1, "worker": 2, "ps": 1}, environ=env)
+        >>> config.task_type, config.task_index, config.address
+        ('ps', 0, 'node2:8888')
+        >>> config.cluster["chief"], config.cluster["worker"]
+        (('node1:8888',), ('node3:8888', 'node4:8888'))
+
+        Raises:
+            ValueError: outside a SLURM step (a variable missing), when the
+                `jobs` counts do not add up to `SLURM_STEP_NUM_TASKS`, or for
+                a cluster `ClusterConfig` refuses (e.g. `ps` without `chief`).
         """
         env = os.environ if environ is None else environ
         needed = (
@@ -291,6 +334,8 @@ class ClusterConfig:
                 f"SLURM_PROCID={rank} is out of range for a step of "
                 f"SLURM_STEP_NUM_TASKS={num_tasks} tasks (0..{num_tasks - 1})."
             )
+        import tensorflow as tf
+
         resolver_cls = tf.distribute.cluster_resolver.SlurmClusterResolver
         with _patched_environ(env, needed):
             # GPU counts are given so the resolver never runs `nvidia-smi`
@@ -313,8 +358,20 @@ class ClusterConfig:
         """Reads the cluster this process belongs to, if any.
 
         Order: `TF_CONFIG` if set and non-empty (Kubeflow TFJob, our launcher,
-        hand-written); else a SLURM job step with more than one task; else
-        `None` (a single machine, no cluster).
+        hand-written); else a SLURM job step with more than one task
+        (`SLURM_STEP_NUM_TASKS > 1`, read with `from_slurm`); else `None` (a
+        single machine, no cluster).
+
+        In a SLURM step every task is a `worker` unless `KERAS_DIST_SLURM_JOBS`
+        (the module constant `SLURM_JOBS_ENV`) names the roles: comma-separated
+        `role:count` pairs, e.g. `chief:1,ps:1,worker:2`, in any order; roles
+        with count 0 are left out, and the counts must add up to
+        `SLURM_STEP_NUM_TASKS`. TensorFlow hands out the ranks by role in
+        alphabetical order of the role names: `chief`, `evaluator`, `ps`,
+        `worker` (see `from_slurm`), so there rank 0 is the chief, rank 1 ps 0,
+        ranks 2 and 3 workers 0 and 1. The variable is ignored when
+        `TF_CONFIG` is set or the step has one task; an empty one counts as
+        unset. `keras-dist-run --emit slurm` scripts set it.
 
         Args:
             environ: Mapping or `None`. Environment to read; defaults to
@@ -328,13 +385,48 @@ class ClusterConfig:
         >>> import keras_dist as kd
         >>> kd.ClusterConfig.from_env({}) is None
         True
+
+        A SLURM step of four tasks with roles; this is rank 0:
+
+        >>> env = {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "4",
+        ...        "SLURM_STEP_NODELIST": "node[1-4]",
+        ...        "SLURM_STEP_TASKS_PER_NODE": "1(x4)",
+        ...        "KERAS_DIST_SLURM_JOBS": "chief:1,ps:1,worker:2"}
+        >>> config = kd.ClusterConfig.from_env(env)
+        >>> config.task_type, config.is_chief, config.strategy_kind
+        ('chief', True, 'parameter_server')
+        >>> {role: len(addresses) for role, addresses in config.cluster.items()}
+        {'chief': 1, 'ps': 1, 'worker': 2}
+
+        Raises:
+            ValueError: for a malformed `TF_CONFIG` or
+                `KERAS_DIST_SLURM_JOBS` (naming the variable, the value, the
+                bad part and the right form), or a SLURM step that does not
+                match it.
         """
         env = os.environ if environ is None else environ
         text = env.get("TF_CONFIG", "").strip()
         if text:
             return cls.from_tf_config(text)
         if int(env.get("SLURM_STEP_NUM_TASKS", "1") or 1) > 1:
-            return cls.from_slurm(environ=env)
+            jobs_text = env.get(SLURM_JOBS_ENV, "")
+            jobs = _parse_slurm_jobs(jobs_text)
+            if jobs is None:
+                return cls.from_slurm(environ=env)
+            num_tasks = int(env["SLURM_STEP_NUM_TASKS"])
+            if sum(jobs.values()) != num_tasks:
+                raise ValueError(
+                    f"{SLURM_JOBS_ENV}={jobs_text!r} names {sum(jobs.values())} "
+                    f"tasks but the SLURM step has SLURM_STEP_NUM_TASKS="
+                    f"{num_tasks}. Make them match: start the step with "
+                    f"`srun --ntasks={sum(jobs.values())}`, or change the counts."
+                )
+            try:
+                return cls.from_slurm(jobs=jobs, environ=env)
+            except ValueError as error:
+                raise ValueError(
+                    f"{error} (Roles from {SLURM_JOBS_ENV}={jobs_text!r}.)"
+                ) from None
         return None
 
     @classmethod
@@ -440,10 +532,14 @@ class ClusterConfig:
 
     def cluster_spec(self):
         """This cluster as a `tf.train.ClusterSpec`."""
+        import tensorflow as tf
+
         return tf.train.ClusterSpec({r: list(a) for r, a in self.cluster.items()})
 
     def cluster_resolver(self):
         """A `tf.distribute.cluster_resolver.SimpleClusterResolver` for it."""
+        import tensorflow as tf
+
         return tf.distribute.cluster_resolver.SimpleClusterResolver(
             self.cluster_spec(),
             task_type=self.task_type,
@@ -489,6 +585,47 @@ def free_ports(count, host="127.0.0.1"):
     finally:
         for sock in sockets:
             sock.close()
+
+
+def _parse_slurm_jobs(text):
+    """`{role: count}` from `KERAS_DIST_SLURM_JOBS`, or `None` when unset.
+
+    Roles with count 0 are dropped. Raises `ValueError` naming the variable,
+    the value, the bad part and an example of the right form.
+    """
+    if text is None or not text.strip():
+        return None
+    jobs, seen = {}, set()
+
+    def bad(problem):
+        return ValueError(
+            f"{SLURM_JOBS_ENV}={text!r} is malformed: {problem}. Write "
+            f"comma-separated role:count pairs with roles from "
+            f"{', '.join(ROLES)}, e.g. {_SLURM_JOBS_EXAMPLE}."
+        )
+
+    for part in text.split(","):
+        role, sep, count = (piece.strip() for piece in part.partition(":"))
+        if not sep or not role or ":" in count:
+            shown = f"{part.strip()!r}" if part.strip() else "an empty entry"
+            raise bad(f"{shown} is not role:count")
+        if role not in ROLES:
+            hint = " ('master' is TensorFlow's old name for 'chief')" if (
+                role == "master") else ""
+            raise bad(f"{role!r} in {part.strip()!r} is not a role{hint}")
+        if role in seen:
+            raise bad(f"role {role!r} is given twice; give each role once")
+        seen.add(role)
+        if not count.isascii() or not count.isdigit():
+            raise bad(
+                f"the count {count!r} in {part.strip()!r} is not an integer "
+                "0 or more"
+            )
+        if int(count):
+            jobs[role] = int(count)
+    if not jobs:
+        raise bad("every count is 0, so no task has a role")
+    return jobs
 
 
 def _where(source):

@@ -14,6 +14,8 @@ from typing import Any, Optional
 import numpy as np
 import tensorflow as tf
 
+from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
+
 DEFAULT_BATCH_SIZE = 32
 DEFAULT_SHUFFLE_SEED = 1337
 """Every worker shuffles with the same seed, so the data shards are disjoint."""
@@ -147,8 +149,10 @@ def distribute(strategy, x, y=None, sample_weight=None, *, batch_size=None,
                                 sample=lambda: next(iter(x(tf.distribute.InputContext()))))
     if isinstance(x, tf.data.Dataset):
         check_nothing_beside_dataset(y, sample_weight, class_weight, what)
+        if not tf.distribute.has_strategy() and strategy is tf.distribute.get_strategy():
+            x = readable_here(x)  # the parameter-server chief evaluating
         dataset = x
-        sample = lambda: next(iter(x.take(1)))  # noqa: E731
+        sample = lambda: first_batch(x)  # noqa: E731
     else:
         if y is not None and num_samples((x,)) != num_samples((y,)):
             raise ValueError(
@@ -210,6 +214,50 @@ class PerWorkerInput:
     sample: Any
 
 
+def readable_here(dataset):
+    """`dataset`, or a copy this process can iterate when it cannot.
+
+    A `tf.data.Dataset` created before this process connected to a
+    parameter-server cluster lives on `/job:localhost`, which no longer exists
+    once connected (TensorFlow: `unknown device`). Workers still read it (the
+    coordinator sends them its graph) and so does any transformation applied
+    after connecting: the chief reads it through `take(-1)`, which passes
+    every element on unchanged.
+
+    Example:
+
+    >>> import tensorflow as tf
+    >>> from keras_dist.data import readable_here
+    >>> ds = tf.data.Dataset.range(3)
+    >>> readable_here(ds) is ds   # readable: returned as it is
+    True
+    """
+    try:
+        iter(dataset)
+    except tf.errors.InvalidArgumentError as error:
+        if "unknown device" not in str(error):
+            raise
+        return dataset.take(-1)
+    return dataset
+
+
+def first_batch(dataset):
+    """The first element of `dataset`, read in this process.
+
+    Read through `take(1)`, a transformation made here and now: that also
+    reads a dataset created before this process connected to a
+    parameter-server cluster (see `readable_here`).
+
+    Example:
+
+    >>> import tensorflow as tf
+    >>> from keras_dist.data import first_batch
+    >>> first_batch(tf.data.Dataset.range(3).batch(2)).numpy()
+    array([0, 1])
+    """
+    return next(iter(dataset.take(1)))
+
+
 def per_worker_input(strategy, x, y=None, sample_weight=None, *, batch_size=None,
                      shuffle=True, class_weight=None, steps=None):
     """Builds the `PerWorkerInput` for asynchronous training.
@@ -241,7 +289,7 @@ def per_worker_input(strategy, x, y=None, sample_weight=None, *, batch_size=None
             steps = cardinality
         # A dataset object is serialized to every worker by the coordinator.
         repeated = x.repeat() if cardinality != tf.data.INFINITE_CARDINALITY else x
-        return PerWorkerInput(repeated, steps, next(iter(x)))
+        return PerWorkerInput(repeated, steps, first_batch(x))
     if y is not None and num_samples((x,)) != num_samples((y,)):
         raise ValueError(
             f"`x` and `y` have different numbers of samples: {num_samples((x,))} and "

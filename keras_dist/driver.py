@@ -32,6 +32,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 from keras_dist import data as data_lib
 from keras_dist import update
 from keras_dist.callbacks import base as replica_cbs
@@ -74,7 +75,10 @@ class Executor:
         self.nonfinite_updates = update.NonFinitePolicy(nonfinite_updates).mode
         self.faults = faults
         self.cluster = cluster
-        self.is_chief = cluster is None or cluster.is_chief
+        # The task that leads (the chief, or worker 0 without one); without a
+        # cluster description, the strategy knows (only the leader checkpoints).
+        self.is_chief = (cluster.is_chief if cluster is not None
+                         else strategy.extended.should_checkpoint)
         self.ran_out = False
         self.policy = None  # an update.NonFinitePolicy, from begin_training on
 
@@ -106,11 +110,16 @@ class Executor:
         pass
 
 
-def resolve_verbose(verbose, parameter_server):
+def resolve_verbose(verbose, parameter_server, is_chief=True):
     """Keras' rule: "auto" is 1, or 2 under parameter servers (one line per
-    epoch: batch results arrive from many workers out of step)."""
+    epoch: batch results arrive from many workers out of step). Only the task
+    that leads shows a live progress bar: on the others "auto" and 1 are 2
+    (one line per epoch), so a cluster's log is not every worker's bar
+    interleaved."""
     if verbose == "auto":
-        return 2 if parameter_server else 1
+        verbose = 2 if parameter_server else 1
+    if verbose == 1 and not is_chief:
+        return 2
     return verbose
 
 
@@ -126,7 +135,7 @@ def fit(executor, x=None, y=None, *, batch_size=None, epochs=1,
     strategy scope. Returns the `keras.callbacks.History`.
     """
     model = executor.model
-    verbose = resolve_verbose(verbose, executor.parameter_server)
+    verbose = resolve_verbose(verbose, executor.parameter_server, executor.is_chief)
     data_lib.check_fit_counts(
         batch_size=batch_size, epochs=epochs, initial_epoch=initial_epoch,
         steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
@@ -160,37 +169,42 @@ def fit(executor, x=None, y=None, *, batch_size=None, epochs=1,
     # Set by a restoring callback (BackupAndRestore), as Keras' own loop reads it.
     initial_epoch = getattr(model, "_initial_epoch", None) or initial_epoch
     logs, epoch_logs, training_logs = {}, {}, None
-    for epoch in range(initial_epoch, epochs):
-        model.reset_metrics()
-        executor.begin_epoch()
-        callbacks.on_epoch_begin(epoch)
-        for event in executor.train_epoch(train):
-            if isinstance(event, BatchBegin):
-                callbacks.on_train_batch_begin(event.batch)
-                continue
-            logs = event.logs
-            if event.replica_steps:
-                replica_cbs.feed(watchers, event.batch, event.replica_steps)
-            callbacks.on_train_batch_end(event.batch, logs)
+    epoch = initial_epoch
+    try:
+        for epoch in range(initial_epoch, epochs):
+            model.reset_metrics()
+            executor.begin_epoch()
+            callbacks.on_epoch_begin(epoch)
+            for event in executor.train_epoch(train):
+                if isinstance(event, BatchBegin):
+                    callbacks.on_train_batch_begin(event.batch)
+                    continue
+                logs = event.logs
+                if event.replica_steps:
+                    replica_cbs.feed(watchers, event.batch, event.replica_steps)
+                callbacks.on_train_batch_end(event.batch, logs)
+                if model.stop_training:
+                    break
+            if executor.ran_out:
+                warnings.warn(
+                    "Your input ran out of data; interrupting training. Make sure "
+                    "it can generate at least `steps_per_epoch * epochs` batches "
+                    f"({train.steps} * {epochs}); use `.repeat()` on a dataset.",
+                    stacklevel=2)
+                model.stop_training = True
+            epoch_logs = executor.epoch_logs(logs)
+            replica_cbs.add_replica_logs(watchers, epoch_logs)
+            if val is not None and data_lib.should_eval(epoch, validation_freq):
+                val_logs = executor.evaluate(val, callbacks)
+                epoch_logs.update({"val_" + k: v for k, v in val_logs.items()})
+            callbacks.on_epoch_end(epoch, epoch_logs)
+            training_logs = epoch_logs
             if model.stop_training:
                 break
-        if executor.ran_out:
-            warnings.warn(
-                "Your input ran out of data; interrupting training. Make sure "
-                "it can generate at least `steps_per_epoch * epochs` batches "
-                f"({train.steps} * {epochs}); use `.repeat()` on a dataset.",
-                stacklevel=2)
-            model.stop_training = True
-        epoch_logs = executor.epoch_logs(logs)
-        replica_cbs.add_replica_logs(watchers, epoch_logs)
-        if val is not None and data_lib.should_eval(epoch, validation_freq):
-            val_logs = executor.evaluate(val, callbacks)
-            epoch_logs.update({"val_" + k: v for k, v in val_logs.items()})
-        callbacks.on_epoch_end(epoch, epoch_logs)
-        training_logs = epoch_logs
-        if model.stop_training:
-            break
-    executor.end_training()
+        executor.end_training()
+    except tf.errors.OpError as error:
+        update.raise_if_nonfinite(error, epoch)  # keras_dist's own error, not TF's
+        raise
     if isinstance(model.optimizer, keras.optimizers.Optimizer) and epochs > 0:
         model.optimizer.finalize_variable_values(model.trainable_weights)
     callbacks.on_train_end(logs=training_logs)
@@ -202,7 +216,7 @@ def evaluate(executor, x=None, y=None, *, batch_size=None,
              return_dict=False):
     """Evaluates `executor.model`; `keras.Model.evaluate`'s arguments."""
     model = executor.model
-    verbose = resolve_verbose(verbose, False)
+    verbose = resolve_verbose(verbose, False, executor.is_chief)
     data_lib.check_fit_counts(batch_size=batch_size, steps=steps)
     val = executor.eval_input(x, y, sample_weight, batch_size=batch_size, steps=steps)
     if not isinstance(callbacks, keras.callbacks.CallbackList):

@@ -14,7 +14,9 @@ is killed as a whole, so nothing is left behind.
 """
 
 import argparse
+import codecs
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -22,7 +24,7 @@ import sys
 import threading
 import time
 
-from keras_dist import isolation
+from keras_dist import isolation, recipes
 from keras_dist.cluster import ClusterConfig
 
 GRACE_SECONDS = 5.0
@@ -49,6 +51,7 @@ def parse_args(argv):
                              "the network (see docs/security.md)")
     parser.add_argument("--_in-namespace", action="store_true", dest="in_namespace",
                         help=argparse.SUPPRESS)
+    recipes.add_arguments(parser)
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="the command to run on every task, after --")
     args = parser.parse_args(argv)
@@ -63,6 +66,14 @@ def parse_args(argv):
     if not command:
         parser.error("no command given. Put it after --, e.g. "
                      "keras-dist-run --workers 2 -- python train.py")
+    if args.emit is not None:
+        # The command runs in a container or on compute nodes: it need not exist here.
+        args.command = command
+        try:
+            args.recipe = recipes.emit_from_args(args)
+        except ValueError as error:
+            parser.error(str(error))
+        return args
     if shutil.which(command[0]) is None and not os.path.exists(command[0]):
         parser.error(f"command {command[0]!r} not found.")
     script = next((a for a in command[1:] if a.endswith(".py")), None)
@@ -78,12 +89,12 @@ class Cluster:
     def __init__(self, config, command, env=None, out=None, max_restarts=3):
         self.config, self.command = config, command
         self.env = dict(os.environ if env is None else env)
-        self.out = out or sys.stdout
+        self.console = _Console(out or sys.stdout,
+                                quiet="TF_CPP_MIN_LOG_LEVEL" not in self.env)
         self.procs = {}
         self.all_procs = []  # every process ever started, restarted ones included
         self.restarts = {}
         self.max_restarts = max_restarts
-        self._lock = threading.Lock()
         self._threads = []
 
     def tasks(self):
@@ -102,9 +113,9 @@ class Cluster:
     def _start_task(self, role, index):
         env = dict(self.env)
         env["TF_CONFIG"] = self.config.for_task(role, index).to_tf_config()
-        env["PYTHONUNBUFFERED"] = "1"
-        env.setdefault("GRPC_FAIL_FAST", "use_caller")
-        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # servers dump their config at INFO
+        for key, value in recipes.TASK_ENV:  # what a TFJob or SLURM task gets too
+            env.setdefault(key, value)
+        env["PYTHONUNBUFFERED"] = "1"  # the prefixer needs lines as they come
         proc = subprocess.Popen(
             self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True)
@@ -117,11 +128,20 @@ class Cluster:
         self._say(f"started {role}:{index} (pid {proc.pid})")
 
     def _pump(self, name, proc):
-        for raw in iter(proc.stdout.readline, b""):
-            line = raw.decode("utf-8", "replace").rstrip("\n")
-            with self._lock:
-                self.out.write(f"[{name}] {line}\n")
-                self.out.flush()
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        pending = ""
+        while True:
+            chunk = proc.stdout.read1(65536)
+            pending += decoder.decode(chunk, final=not chunk)
+            *lines, pending = pending.split("\n")
+            for line in lines:
+                self.console.line(name, _final_state(line))
+            if not chunk:
+                break
+            if "\r" in pending or "\b" in pending:  # a progress bar being redrawn
+                self.console.progress(name, _final_state(pending))
+        if pending:
+            self.console.line(name, _final_state(pending))
         proc.stdout.close()
 
     def wait(self):
@@ -144,6 +164,15 @@ class Cluster:
                         self._say(f"{task[0]}:{task[1]} exited with code {code}; stopping "
                                   "the cluster")
                     return code
+                if self.config.num_ps and code == 0:
+                    # Worker and ps tasks serve until the chief is done; one that
+                    # ends cleanly ran the script on its own.
+                    self._say(
+                        f"{task[0]}:{task[1]} exited with code 0 before the chief was "
+                        "done: the script probably trained on its own there (plain "
+                        "model.fit?). On worker and ps tasks call kd.fit or kd.serve, "
+                        "which serve the chief. Stopping the cluster")
+                    return 1
                 if self.config.num_ps and task[0] == "worker":
                     used = self.restarts.get(task, 0)
                     if used < self.max_restarts:
@@ -184,8 +213,65 @@ class Cluster:
             thread.join(timeout=2)
 
     def _say(self, text):
+        self.console.line("keras-dist-run", text)
+
+
+NOISE = re.compile(
+    # TensorFlow's C++ INFO / WARNING lines ("I0000 00:00:1796.. 4647 port.cc:153] ..."):
+    # those logged while TensorFlow loads ignore TF_CPP_MIN_LOG_LEVEL.
+    r"^[IW]\d{4} [\d:.]+\s+\d+ [\w./-]+\.(cc|h|cpp):\d+\] "
+    # Its CUDA probe, an error line on every machine without a GPU.
+    r"|failed call to cuInit"
+    r"|^WARNING: All log messages before absl::InitializeLog\(\) is called")
+"""Task output lines the launcher drops unless the user set
+`TF_CPP_MIN_LOG_LEVEL` (then every line passes). Python logging lines, such as
+absl's `I1203 16:44:16.240616 1401 train.py:12] ...`, are never dropped."""
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def _final_state(text):
+    """What a terminal would show for `text` once written: Keras' progress bar
+    erases with backspaces and returns with `\\r`; the last redraw wins."""
+    return text.replace("\b", "").rsplit("\r", 1)[-1]
+
+
+class _Console:
+    """Writes the tasks' output, each line prefixed with its task, one at a time.
+
+    A task's progress bar (a line redrawn with `\\r`) is shown live only when
+    the output is a terminal, as one line that other tasks' lines do not break
+    up; in a log file only each line's final state is written.
+    """
+
+    def __init__(self, out, quiet=True):
+        self.out, self.quiet = out, quiet
+        self.tty = hasattr(out, "isatty") and out.isatty()
+        self.live = None  # (task, text) of the progress line on screen, if any
+        self._lock = threading.Lock()
+
+    def line(self, name, text):
+        if self.quiet and NOISE.search(text):
+            return
+        if not self.tty:
+            text = _ANSI.sub("", text)  # Keras colours its bar even into a pipe
         with self._lock:
-            self.out.write(f"[keras-dist-run] {text}\n")
+            if self.live is not None:
+                self.out.write("\r\x1b[K")
+                if self.live[0] == name:
+                    self.live = None  # the bar's final line replaces it
+            self.out.write(f"[{name}] {text}\n")
+            if self.live is not None:
+                self.out.write(f"[{self.live[0]}] {self.live[1]}")
+            self.out.flush()
+
+    def progress(self, name, text):
+        if not self.tty:
+            return
+        with self._lock:
+            self.live = (name, text)
+            self.out.write(f"\r\x1b[K[{name}] {text}")
             self.out.flush()
 
 
@@ -200,6 +286,9 @@ def main(argv=None):
     """Entry point of `keras-dist-run` (also `python -m keras_dist.launch`)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    if args.emit is not None:
+        sys.stdout.write(args.recipe)
+        return 0
     if args.in_namespace:
         isolation.bring_up_loopback()
     elif not args.no_isolate:

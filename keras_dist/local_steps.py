@@ -29,6 +29,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 from keras_dist import driver
 from keras_dist import stateless
 from keras_dist import step_report

@@ -73,6 +73,7 @@ import functools
 import keras
 import tensorflow as tf
 
+from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 from keras_dist import update
 
 ShardedVariable = tf.__internal__.distribute.ShardedVariable

@@ -19,6 +19,8 @@ from typing import Dict
 import numpy as np
 import tensorflow as tf
 
+from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
+
 SPEEDS = ("constant", "lognormal")
 
 

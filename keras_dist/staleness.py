@@ -21,6 +21,8 @@ from typing import Dict, List
 import numpy as np
 import tensorflow as tf
 
+from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
+
 
 class VersionCounter:
     """An int64 parameter version on the parameter servers.

@@ -19,6 +19,8 @@ import contextlib
 
 import keras
 
+from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
+
 _NEUTRAL = ("assign", "assign_add", "assign_sub", "_backend_update_step",
             "_apply_weight_decay", "_backend_increment_gradient_accumulators")
 

@@ -22,6 +22,8 @@ from typing import Dict, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
+from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
+
 FIELDS = ("worker", "seconds", "examples", "loss_sum", "loss_count", "skipped")
 
 

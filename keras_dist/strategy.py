@@ -26,9 +26,11 @@ from typing import Optional, Tuple
 
 import tensorflow as tf
 
+from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
+from keras_dist._runtime import quiet_tf_logger
 from keras_dist import sharded
 from keras_dist.cluster import ClusterConfig
-from keras_dist.serve import configure_grpc, start_server, wait_for_tasks
+from keras_dist.serving import configure_grpc, start_server, wait_for_tasks
 
 logger = logging.getLogger("keras_dist")
 
@@ -322,8 +324,9 @@ def _parameter_server(cluster, variable_partitioner, connect_timeout):
             "the evaluator out of the cluster.")
     configure_grpc()
     wait_for_tasks(cluster, connect_timeout)
-    strategy = tf.distribute.ParameterServerStrategy(
-        cluster.cluster_resolver(), variable_partitioner=variable_partitioner)
+    with quiet_tf_logger("WARNING"):  # connecting logs its session config at INFO
+        strategy = tf.distribute.ParameterServerStrategy(
+            cluster.cluster_resolver(), variable_partitioner=variable_partitioner)
     return sharded.install(strategy)  # Keras 3 can then train sharded variables
 
 

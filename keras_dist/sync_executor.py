@@ -26,6 +26,8 @@ import contextlib
 import numpy as np
 import tensorflow as tf
 
+from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
+from keras_dist._runtime import quiet_tf_logger
 from keras_dist import data as data_lib
 from keras_dist import driver
 from keras_dist import step_report
@@ -255,15 +257,3 @@ def _combine(rows):
     summed = rows.sum(axis=0)
     summed[0] = rows[0, 0]  # the replica index, not a sum
     return step_report.unpack(summed)
-
-
-@contextlib.contextmanager
-def quiet_tf_logger(level="ERROR"):
-    """Raises the `tensorflow` logger's level for a block, then restores it."""
-    tf_logger = tf.get_logger()
-    previous = tf_logger.level
-    tf_logger.setLevel(level)
-    try:
-        yield
-    finally:
-        tf_logger.setLevel(previous)

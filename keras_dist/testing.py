@@ -35,10 +35,13 @@ in a single process.
 
 import contextlib
 import dataclasses
+import logging
 import os
 from typing import Dict
 
 import tensorflow as tf
+
+from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 
 __all__ = ["FaultInjection", "faults_from_env", "sleep", "slow_down", "slow_worker",
            "slow_workers_from_env"]
@@ -91,7 +94,13 @@ def faults_from_env(environ=None):
     >>> faults_from_env({"KERAS_DIST_SLOW_WORKER": "0:2"}).slowed
     {0: 2.0}
     """
-    return FaultInjection(slow_workers_from_env(environ))
+    slowed = slow_workers_from_env(environ)
+    if slowed and environ is None:
+        logging.getLogger("keras_dist").info(
+            "keras_dist: %s=%s: slowing %s (fault injection for tests and demos)",
+            SLOW_WORKER_ENV, os.environ[SLOW_WORKER_ENV].strip(),
+            ", ".join(f"worker {i} x{f:g}" for i, f in sorted(slowed.items())))
+    return FaultInjection(slowed)
 
 
 def slow_workers_from_env(environ=None):

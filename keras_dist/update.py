@@ -30,6 +30,8 @@ from typing import Any, Optional
 import keras
 import tensorflow as tf
 
+from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
+
 MODES = ("skip", "raise")
 
 _hooks = threading.local()
@@ -233,6 +235,38 @@ def current_update():
 
 
 # --------------------------------------------------------- non-finite policy
+_NONFINITE_MARK = "keras_dist: non-finite gradients (NaN or Inf) in an update"  # no quote: TF escapes it
+
+
+class NonFiniteUpdateError(FloatingPointError):
+    """An update's gradients were NaN or Inf under `nonfinite_updates="raise"`.
+
+    Raised by `keras_dist.fit` and `AsyncModel.fit` (keras_dist's own loops:
+    several replicas, parameter servers) in place of TensorFlow's
+    `InvalidArgumentError: Graph execution error`, which would bury the cause.
+    The weights are those before the failing update.
+
+    Example:
+
+    >>> from keras_dist.update import NonFiniteUpdateError
+    >>> issubclass(NonFiniteUpdateError, FloatingPointError)
+    True
+    """
+
+
+def raise_if_nonfinite(error, epoch):
+    """Raises `NonFiniteUpdateError` when TensorFlow's `error` is the "raise"
+    policy's check failing in `epoch` (0-based); returns otherwise."""
+    if _NONFINITE_MARK in str(getattr(error, "message", error)):
+        raise NonFiniteUpdateError(
+            f"In epoch {epoch + 1}, an update's gradients are not finite (NaN or "
+            "Inf), and nonfinite_updates='raise' stops training there (the weights "
+            "are those before that update). Look for NaN or Inf in the inputs or "
+            "the loss, or lower the learning rate; to skip such updates and count "
+            "them instead, pass nonfinite_updates='skip' to keras_dist.fit or set "
+            "model.nonfinite_updates = 'skip'.") from None
+
+
 class NonFinitePolicy:
     """What an executor does with an update whose gradients are not finite.
 
@@ -240,7 +274,8 @@ class NonFinitePolicy:
       step count are untouched) and it is counted: `skipped` on the parameter
       servers or mirrored replicas, reported as `skipped_nonfinite` in the
       epoch logs of any epoch that skipped one.
-    - `"raise"`: training stops with an error naming the option.
+    - `"raise"`: training stops with a `NonFiniteUpdateError` naming the
+      epoch and the option.
 
     Under a `LossScaleOptimizer` (mixed_float16) that optimizer skips
     non-finite steps itself (and lowers its loss scale); the policy leaves
@@ -321,10 +356,7 @@ class NonFinitePolicy:
         if finite is None:
             finite = all_finite(grads)
         if self.mode == "raise":
-            check = tf.debugging.Assert(finite, [
-                "keras_dist: an update's gradients are not finite (NaN or Inf); to skip "
-                "such updates instead, pass nonfinite_updates='skip' to keras_dist.fit "
-                "or set model.nonfinite_updates = 'skip'"])
+            check = tf.debugging.Assert(finite, [_NONFINITE_MARK])
             with tf.control_dependencies([check]):
                 grads = identity_all(grads)
             apply_fn(grads, variables)

@@ -18,7 +18,9 @@ Example:
 ('3.10', '3.15')
 """
 
+import os
 import re
+import sys
 import warnings
 
 import keras
@@ -99,6 +101,20 @@ def outside_tested_range(tensorflow=None, keras_version=None):
 _warned = []
 
 
+def _user_stacklevel():
+    """The `stacklevel` that points a warning at the first frame outside
+    keras_dist and the import machinery: the user's line that first used
+    keras_dist (it is loaded lazily, so that is not always the import)."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1  # the caller of this function is level 1
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not (name.startswith(package) or name.startswith("<frozen importlib")):
+            return level
+        frame, level = frame.f_back, level + 1
+    return 1
+
+
 def warn_if_untested():
     """Warns once per process when TensorFlow or Keras is outside the tested range.
 
@@ -124,5 +140,5 @@ def warn_if_untested():
             advice = ("It may work; if something fails, try a tested version (see "
                       "docs/compatibility.md) and report what you found.")
         warnings.warn(f"keras_dist has not been tested with {' and '.join(found)}. {advice}",
-                      RuntimeWarning, stacklevel=3)
+                      RuntimeWarning, stacklevel=_user_stacklevel())
     return found

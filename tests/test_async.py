@@ -98,7 +98,9 @@ def test_nonfinite_updates_are_skipped_and_counted_or_raise(tmp_path, mode):
     """One in 60 training digits is NaN, so some batches give NaN gradients."""
     result, _ = run_script(tmp_path, "ps_nonfinite.py", mode)
     if mode == "raise":
+        assert result["error"].startswith("NonFiniteUpdateError: In epoch ")
         assert "gradients are not finite" in result["error"]
+        assert "Graph execution error" not in result["error"]
         assert "nonfinite_updates = " in result["error"]
         return
     skipped = result["history"]["skipped_nonfinite"]
@@ -159,6 +161,11 @@ def test_custom_train_step_runs_on_parameter_servers(tmp_path):
     assert result["frozen"]["largest_change"] == 0.0
     assert result["frozen"]["history"]["loss"] == [0.0] * 3
     assert result["learning"]["test_accuracy"] >= 0.9
+    # A dataset made before the strategy (on /job:localhost) trains, validates
+    # and evaluates: TensorFlow's own error for it is "unknown device".
+    early = result["early_dataset"]
+    assert len(early["history"]["val_accuracy"]) == 2
+    assert early["test_accuracy"] >= 0.8
 
 
 def test_no_retracing_under_parameter_servers(tmp_path):

@@ -1,7 +1,7 @@
 """The `Example:` blocks of keras_dist's docstrings run, and say what is true.
 
 Every docstring example is collected with the stdlib `doctest` module and run
-as its own test (named after the object, e.g. `keras_dist.fit.fit`), so a
+as its own test (named after the object, e.g. `keras_dist.training.fit`), so a
 wrong example fails and the failure says where. Every public name in
 `keras_dist.__all__` must carry such an example; for a submodule listed there
 (`keras_dist.optimizers`), that is its module docstring and every name in the
@@ -29,8 +29,9 @@ MODULES = (
     "keras_dist.cluster",
     "keras_dist.data",
     "keras_dist.datasets",
-    "keras_dist.fit",
+    "keras_dist.training",
     "keras_dist.launch",
+    "keras_dist.recipes",
     "keras_dist.local_steps",
     "keras_dist.stateless",
     "keras_dist.sync_executor",
@@ -44,7 +45,7 @@ MODULES = (
     "keras_dist.optimizers.gap_aware",
     "keras_dist.optimizers.staleness_limit",
     "keras_dist.optimizers.staleness_scaled",
-    "keras_dist.serve",
+    "keras_dist.serving",
     "keras_dist.sharded",
     "keras_dist.simulate",
     "keras_dist.staleness",

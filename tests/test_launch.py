@@ -1,5 +1,6 @@
 """keras-dist-run: arguments, output, exit codes, and no orphan processes."""
 
+import io
 import os
 import signal
 import subprocess
@@ -109,3 +110,89 @@ def test_killing_the_launcher_leaves_no_process_behind(tmp_path):
             launcher.kill()
         for pid in pids_with_marker(marker):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_help_answers_without_importing_tensorflow():
+    # The launcher only starts processes: TensorFlow loads in the tasks, not here.
+    code = ("import sys\n"
+            "from keras_dist import launch\n"
+            "try:\n"
+            "    launch.main(['--help'])\n"
+            "except SystemExit as exit:\n"
+            "    assert exit.code == 0, exit.code\n"
+            "loaded = sorted(m for m in ('tensorflow', 'keras') if m in sys.modules)\n"
+            "print('loaded:', loaded)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "usage: keras-dist-run" in proc.stdout
+    assert "loaded: []" in proc.stdout
+
+
+def test_tensorflow_noise_is_dropped_unless_the_user_asks_for_it(tmp_path):
+    script = tmp_path / "task.py"
+    script.write_text(
+        "import sys\n"
+        "print('I0000 00:00:1796316248.923044    4647 port.cc:153] oneDNN custom operations')\n"
+        "print('W0000 00:00:1796316248.9    4647 dataset.cc:997] Input of GeneratorDatasetOp')\n"
+        "print('E0000 00:00:1796316250.8    4647 cuda_platform.cc:52] failed call to cuInit: '\n"
+        "      'INTERNAL: CUDA error')\n"
+        "print('WARNING: All log messages before absl::InitializeLog() is called are '\n"
+        "      'written to STDERR')\n"
+        "print('I1203 16:44:16.240616 140114470738816 train.py:12] the user logs this')\n"
+        "print('E0000 00:00:1796316250.8    4647 grpc.cc:1] a real error')\n"
+        "print('progress 1/3\\b\\b\\b\\b\\b\\b\\b\\b\\b\\b\\b\\b\\r\\x1b[1mprogress 3/3\\x1b[0m')\n")
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    quiet = subprocess.run(LAUNCH + ["--workers", "1", "--", sys.executable, str(script)],
+                           cwd=REPO, capture_output=True, text=True, timeout=60, env=env)
+    assert quiet.returncode == 0, quiet.stdout + quiet.stderr
+    task_lines = [l for l in quiet.stdout.splitlines() if l.startswith("[worker:0]")]
+    assert task_lines == [
+        "[worker:0] I1203 16:44:16.240616 140114470738816 train.py:12] the user logs this",
+        "[worker:0] E0000 00:00:1796316250.8    4647 grpc.cc:1] a real error",
+        "[worker:0] progress 3/3",  # a redrawn line's final state, without colours
+    ]
+    env["TF_CPP_MIN_LOG_LEVEL"] = "0"
+    verbose = subprocess.run(LAUNCH + ["--workers", "1", "--", sys.executable, str(script)],
+                             cwd=REPO, capture_output=True, text=True, timeout=60, env=env)
+    assert "port.cc:153] oneDNN" in verbose.stdout
+    assert "failed call to cuInit" in verbose.stdout
+
+
+def test_a_live_progress_bar_on_a_terminal_stays_one_line():
+    from keras_dist.launch import _Console
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    out = Terminal()
+    console = _Console(out)
+    console.progress("chief:0", "1/3 [=>  ]")
+    console.line("ps:0", "serving")  # another task's line: the bar is cleared, redrawn
+    console.progress("chief:0", "2/3 [==> ]")
+    console.line("chief:0", "3/3 [====] done")
+    shown = out.getvalue()
+    assert shown == ("\r\x1b[K[chief:0] 1/3 [=>  ]"
+                     "\r\x1b[K[ps:0] serving\n[chief:0] 1/3 [=>  ]"
+                     "\r\x1b[K[chief:0] 2/3 [==> ]"
+                     "\r\x1b[K[chief:0] 3/3 [====] done\n")
+    assert console.live is None
+
+
+def test_a_serving_task_that_exits_cleanly_is_explained(tmp_path):
+    # Plain model.fit under --ps: every task trains on its own and ends with 0.
+    script = tmp_path / "task.py"
+    script.write_text(
+        "import json, os, time\n"
+        "task = json.loads(os.environ['TF_CONFIG'])['task']\n"
+        "if task['type'] == 'chief':\n"
+        "    time.sleep(30)\n"
+        "print('trained alone')\n")
+    start = time.monotonic()
+    proc = launch(["--workers", "2", "--ps", "1", "--", sys.executable, str(script)])
+    assert proc.returncode == 1
+    assert "exited with code 0 before the chief was done" in proc.stdout
+    assert "call kd.fit or kd.serve" in proc.stdout
+    assert "restarting" not in proc.stdout  # a clean exit is not a crash to retry
+    assert time.monotonic() - start < 25

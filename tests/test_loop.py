@@ -252,3 +252,17 @@ def test_numpy_integer_counts_are_integers(strategy, data):
     with pytest.raises(ValueError, match=r"`steps` must be an integer >= 1 or None\. "
                                          r"Received: steps=0\."):
         own_evaluate(model, strategy, x, y, steps=0, verbose=0)
+
+
+@pytest.mark.parametrize("task, live", [(("worker", 0), True), (("worker", 1), False)])
+def test_only_the_leading_task_shows_a_live_progress_bar(strategy, data, task, live, capsys):
+    # Every worker of a cluster prints; a live bar from each would interleave.
+    cluster = kd.ClusterConfig.from_dict({
+        "cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
+        "task": {"type": task[0], "index": task[1]}})
+    model = build(strategy)
+    driver.fit(SyncExecutor(model, strategy, cluster=cluster), *data, epochs=1,
+               batch_size=50)  # verbose="auto", as by default
+    shown = capsys.readouterr().out
+    assert ("\r" in shown or "\b" in shown) == live, repr(shown)
+    assert "4/4" in shown and "loss:" in shown  # the epoch's line, either way

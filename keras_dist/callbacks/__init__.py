@@ -16,6 +16,7 @@ Example:
 [4]
 """
 
+from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 from keras_dist.callbacks.backup import BackupAndRestore
 from keras_dist.callbacks.base import ReplicaCallback, ReplicaStep
 from keras_dist.callbacks.per_replica import PerReplicaMetrics

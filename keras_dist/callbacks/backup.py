@@ -11,6 +11,7 @@ import warnings
 
 import keras
 
+from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 from keras_dist.cluster import ClusterConfig
 
 logger = logging.getLogger("keras_dist")

@@ -30,6 +30,7 @@ from typing import Optional, Tuple
 
 import keras
 
+from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 from keras_dist.cluster import ClusterConfig
 
 

@@ -7,6 +7,7 @@ import os
 
 import numpy as np
 
+from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 from keras_dist.callbacks.base import ReplicaCallback
 
 _FIELDS = ("loss", "step_time", "examples_per_sec", "updates",

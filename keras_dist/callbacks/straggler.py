@@ -5,6 +5,7 @@ import logging
 
 import numpy as np
 
+from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 from keras_dist.callbacks.base import ReplicaCallback
 
 logger = logging.getLogger("keras_dist")

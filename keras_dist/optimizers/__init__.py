@@ -18,6 +18,7 @@ Example:
 'DynSGD'
 """
 
+from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 from keras_dist.optimizers.base import StalenessAwareOptimizer
 from keras_dist.optimizers.dcasgd import DCASGD
 from keras_dist.optimizers.dynsgd import DynSGD

@@ -25,6 +25,7 @@ import warnings
 import keras
 import tensorflow as tf
 
+from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 from keras_dist import update as update_lib
 
 BASE_OPTIMIZER_ARGUMENTS = (

@@ -3,6 +3,7 @@
 import keras
 import tensorflow as tf
 
+from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 from keras_dist.optimizers.base import StalenessAwareOptimizer, scale_gradients
 
 

@@ -5,8 +5,11 @@ tests/equivalence_cases.py: loss multiplied by a weight, here with a metric
 counting its calls): a `keras.Model` subclass trained with
 `kd.fit` and loss weight 0 (the update must be exactly zero: the weights
 may not move), and a `kd.AsyncModel` subclass trained with `model.fit` and
-loss weight 1 (it must learn). The chief writes out_dir/result.json.
-argv: out_dir.
+loss weight 1 (it must learn). Then a plain model trains on a
+`tf.data.Dataset` created before the strategy connected this process to the
+cluster (TensorFlow placed it on /job:localhost, which then no longer
+exists), validates and evaluates on another such dataset. The chief writes
+out_dir/result.json. argv: out_dir.
 """
 
 import json
@@ -15,13 +18,19 @@ import sys
 
 import numpy as np
 
+import tensorflow as tf
+
 import keras_dist as kd
+from keras_dist.datasets import load_digits
+
+# Made before kd.resolve_strategy(), as a user may: it must still train.
+(_x, _y), (_x_test, _y_test) = load_digits()
+EARLY_TRAIN = tf.data.Dataset.from_tensor_slices((_x, _y)).shuffle(1000, seed=0).batch(32)
+EARLY_TEST = tf.data.Dataset.from_tensor_slices((_x_test, _y_test)).batch(64)
 
 strategy = kd.resolve_strategy()
 
 import keras  # noqa: E402
-
-from keras_dist.datasets import load_digits  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from equivalence_cases import WeightedStep  # noqa: E402
@@ -83,6 +92,22 @@ def main(out_dir):
         "version": model.version,
     }
     result["steps"] = EPOCHS * STEPS
+
+    def build_plain():
+        keras.utils.set_random_seed(0)
+        plain = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"),
+                                  keras.layers.Dense(10, activation="softmax")])
+        plain.compile(keras.optimizers.SGD(0.05, momentum=0.9),
+                      "sparse_categorical_crossentropy", metrics=["accuracy"])
+        return plain
+
+    history = kd.fit(build_plain, EARLY_TRAIN, strategy=strategy, epochs=2,
+                     validation_data=EARLY_TEST, verbose=0)
+    result["early_dataset"] = {
+        "history": history.history,
+        "test_accuracy": kd.evaluate(history.model, EARLY_TEST, return_dict=True,
+                                     verbose=0)["accuracy"],
+    }
     with open(os.path.join(out_dir, "result.json"), "w") as f:
         json.dump(result, f)
 

@@ -16,6 +16,7 @@ import warnings
 import keras
 import tensorflow as tf
 
+from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 from keras_dist import data as data_lib
 from keras_dist import driver
 from keras_dist import local_steps as local_steps_lib
