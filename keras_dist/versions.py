@@ -109,9 +109,12 @@ def _user_stacklevel():
     frame, level = sys._getframe(1), 1  # the caller of this function is level 1
     while frame is not None:
         name = frame.f_code.co_filename
-        if not (name.startswith(package) or name.startswith("<frozen importlib")):
+        internal = "importlib" in name and "_bootstrap" in name
+        if not (internal or name.startswith(package)):
             return level
-        frame, level = frame.f_back, level + 1
+        if not internal:  # warnings.warn does not count the import machinery
+            level += 1
+        frame = frame.f_back
     return 1
 
 

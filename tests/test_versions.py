@@ -4,6 +4,8 @@ selection and table; the warning outside the tested range."""
 import importlib.util
 import os
 import re
+import subprocess
+import sys
 import warnings
 
 import keras
@@ -89,3 +91,18 @@ def test_a_version_below_the_minimum_says_what_goes_wrong(monkeypatch):
     with pytest.warns(RuntimeWarning, match=re.escape(
             f"keras 3.9.2 (below the supported minimum {low})") + ".*known to go wrong"):
         versions.warn_if_untested()
+
+
+def test_the_untested_version_warning_points_at_the_users_line(tmp_path):
+    # keras_dist loads its TensorFlow side on first use, through the import
+    # machinery: the warning must still name the user's line, not ours.
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import keras_dist.versions as v\n"
+        "v.TESTED_RANGE = {'tensorflow': ('9.0', '9.1'), 'keras': ('9.0', '9.1')}\n"
+        "import keras_dist as kd\n"
+        "fit = kd.fit\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert f"{script}:4: RuntimeWarning: keras_dist has not been tested with" in proc.stderr
