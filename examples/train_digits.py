@@ -10,6 +10,12 @@ Usage:
     keras-dist-run --workers 2 --ps 1 -- python examples/train_digits.py  # async
     python examples/train_digits.py
     python examples/train_digits.py --strategy=mirrored --epochs=10
+    keras-dist-run --workers 2 --ps 1 -- python examples/train_digits.py --staleness=dynsgd
+    keras-dist-run --workers 2 --ps 1 -- python examples/train_digits.py --local_steps=4
+
+Besides its own flags it takes keras_dist's (`keras_dist.flags`: strategy,
+staleness-aware optimizer, local steps, straggler detection, TensorBoard;
+`--help` lists them).
 
 As one of two workers (run once per index, each in its own shell):
 
@@ -24,12 +30,9 @@ from absl import app
 from absl import flags
 
 import keras_dist as kd
+from keras_dist import flags as kd_flags
 
-_STRATEGY = flags.DEFINE_string(
-    "strategy", "auto",
-    "Strategy name: auto, default, one_device, mirrored, multi_worker or "
-    "parameter_server. "
-    "'auto' picks from KERAS_DIST_STRATEGY, TF_CONFIG / SLURM and local GPUs.")
+kd_flags.define_flags()  # --strategy, --staleness, --local_steps, --tensorboard_dir, ...
 _EPOCHS = flags.DEFINE_integer("epochs", 20, "Passes over the training set.")
 _BATCH_SIZE = flags.DEFINE_integer(
     "batch_size", 64, "Global batch size, split over all replicas.")
@@ -53,7 +56,9 @@ def build_model():
         keras.layers.Dense(10, activation="softmax"),
     ], name="digits_mlp")
     model.compile(
-        optimizer=keras.optimizers.SGD(_LEARNING_RATE.value, momentum=0.9),
+        # Wrapped as --staleness / --max_staleness say (unchanged by default).
+        optimizer=kd_flags.wrap_optimizer(
+            keras.optimizers.SGD(_LEARNING_RATE.value, momentum=0.9)),
         loss="sparse_categorical_crossentropy",
         metrics=["accuracy"],
     )
@@ -66,18 +71,19 @@ def main(argv):
     # absl's app.run turns INFO logging on; TensorFlow's INFO lines drown ours.
     logging.getLogger("tensorflow").setLevel(logging.WARNING)
     # First, before any TensorFlow op: see the module docstring.
-    strategy = kd.resolve_strategy(_STRATEGY.value)
+    strategy = kd_flags.strategy_from_flags()
 
     from keras_dist.datasets import load_digits
 
     (x_train, y_train), (x_test, y_test) = load_digits(seed=_SEED.value)
     history = kd.fit(
-        build_model, x_train, y_train, strategy=strategy,
+        build_model, x_train, y_train,
         epochs=_EPOCHS.value, batch_size=_BATCH_SIZE.value,
-        validation_split=0.1, verbose=2)
+        validation_split=0.1, verbose=2,
+        **kd_flags.fit_kwargs(strategy=strategy))  # strategy, local steps, callbacks
     results = kd.evaluate(history.model, x_test, y_test,
                           return_dict=True, verbose=0)
-    kind = kd.choose_strategy(_STRATEGY.value).kind.value
+    kind = kd.choose_strategy(flags.FLAGS.strategy).kind.value
     print(f"test accuracy: {results['accuracy']:.4f} "
           f"(strategy: {kind}, replicas: {strategy.num_replicas_in_sync})")
     if "staleness_mean" in history.history:

@@ -29,6 +29,7 @@ MODULES = (
     "keras_dist.cluster",
     "keras_dist.data",
     "keras_dist.datasets",
+    "keras_dist.flags",
     "keras_dist.training",
     "keras_dist.launch",
     "keras_dist.recipes",

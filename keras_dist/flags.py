@@ -1,0 +1,558 @@
+"""absl flags for training scripts: one set of switches for `keras_dist.fit`.
+
+`define_flags()` at the top of a script defines them (the groups are in
+`GROUPS`); in `main`, `strategy_from_flags()` comes first, before any
+TensorFlow op; `wrap_optimizer(...)` goes into the model's `compile`, and
+`kd.fit(..., **fit_kwargs(strategy=strategy))` takes the rest. Then
+`--strategy=mirrored`, `--staleness=dcasgd --max_staleness=8`,
+`--local_steps=4` or `--straggler_threshold=0.75 --tensorboard_dir=/tmp/tb`
+change the training without touching the script. docs/flags.md has a whole
+script and the table of flags; `examples/train_digits.py` is one.
+
+With every flag at its default, `fit_kwargs()` gives `kd.fit`'s own defaults.
+Importing this module imports neither TensorFlow nor Keras; `define_flags`
+does (it takes the strategy names and the wrappers' defaults from where they
+are defined), and nothing here creates a tensor before `strategy_from_flags`,
+so MultiWorkerMirroredStrategy can still be created first.
+
+Example:
+
+>>> from absl import flags
+>>> from keras_dist import flags as kd_flags
+>>> fv = flags.FlagValues()
+>>> _ = kd_flags.define_flags(fv)
+>>> _ = fv(["train.py", "--strategy=default", "--straggler_threshold=0.75"])
+>>> kwargs = kd_flags.fit_kwargs(fv)
+>>> kwargs["strategy"], [type(c).__name__ for c in kwargs["callbacks"]]
+('default', ['StragglerDetector'])
+"""
+
+import inspect
+import os
+import sys
+
+from absl import flags as absl_flags
+
+__all__ = ["define_flags", "fit_kwargs", "strategy_from_flags", "wrap_optimizer"]
+
+FLAGS = absl_flags.FLAGS
+
+STALENESS_WRAPPERS = {
+    "scaled": "StalenessScaled",
+    "dynsgd": "DynSGD",
+    "dcasgd": "DCASGD",
+    "gap_aware": "GapAware",
+}
+"""`--staleness` short name -> class in `keras_dist.optimizers` (`none`: no wrapper)."""
+
+# Flag -> constructor argument, for the wrappers that take hyperparameters.
+_WRAPPER_ARGS = {
+    "dcasgd": {"dcasgd_mode": "mode", "dcasgd_lambda": "lambda_", "dcasgd_lambda0": "lambda0",
+               "dcasgd_momentum": "momentum", "dcasgd_epsilon": "epsilon"},
+    "gap_aware": {"gap_aware_beta": "beta", "gap_aware_epsilon": "epsilon"},
+}
+
+GROUPS = {
+    "strategy": ("strategy",),
+    "nonfinite_updates": ("nonfinite_updates",),
+    "staleness": ("staleness", "max_staleness") + tuple(
+        name for args in _WRAPPER_ARGS.values() for name in args),
+    "local_steps": ("local_steps", "outer_learning_rate", "outer_momentum"),
+    "straggler": ("straggler_threshold", "straggler_window", "straggler_action"),
+    "metrics": ("tensorboard_dir", "per_replica_metrics"),
+    "sharding": ("shard_min_bytes",),
+}
+"""Group name (a `define_flags` switch) -> the flags it defines."""
+
+
+def define_flags(flag_values=FLAGS, *, strategy=True, nonfinite_updates=True, staleness=True,
+                 local_steps=True, straggler=True, metrics=True, sharding=True):
+    """Defines keras_dist's flags (see `GROUPS`) on `flag_values`.
+
+    Each argument but the first switches one group on or off. The flags
+    become key flags of the calling module, so the script's `--help` lists
+    them. Idempotent: a group this function already defined on
+    `flag_values` is left as it is, so a second call (or two modules that
+    both call it) is harmless. A flag of the same name defined elsewhere,
+    e.g. by the script itself, is absl's `DuplicateFlagError`, which names
+    both modules: switch that group off, or rename the script's flag.
+
+    Bad values fail at parsing with absl's `IllegalFlagValueError`, which
+    names the flag, the value and what is allowed; so does a wrapper's
+    hyperparameter given for another wrapper (`--dcasgd_lambda` with
+    `--staleness=gap_aware`) or a straggler setting with the detector off.
+
+    Args:
+        flag_values: `absl.flags.FlagValues`. Defaults to `absl.flags.FLAGS`.
+        strategy: Boolean. `--strategy`: `auto` (the default: `KERAS_DIST_STRATEGY`,
+            then the cluster, then local GPUs) or a `kd.StrategyKind` name.
+        nonfinite_updates: Boolean. `--nonfinite_updates`: `skip`, `raise`,
+            or unset (the model's own setting, else `skip`).
+        staleness: Boolean. `--staleness`: `none` or a wrapper of
+            `STALENESS_WRAPPERS`; `--max_staleness` (unset: no limit) adds
+            `StalenessLimit` around it; the `--dcasgd_*` and `--gap_aware_*`
+            hyperparameters, with the wrappers' own defaults.
+        local_steps: Boolean. `--local_steps` (1), `--outer_learning_rate`
+            (1.0) and `--outer_momentum` (0.0, Nesterov): parameter servers
+            only, see `fit_kwargs`.
+        straggler: Boolean. `--straggler_threshold` (unset or 0: no
+            detector), `--straggler_window`, `--straggler_action`.
+        metrics: Boolean. `--tensorboard_dir` (unset: no TensorBoard) and
+            `--per_replica_metrics` (the per-worker table at the end). Not
+            `--log_dir`: absl's logging module defines that one.
+        sharding: Boolean. `--shard_min_bytes` (unset: no sharding).
+
+    Returns:
+        List of the names of the flags of the groups switched on.
+
+    Example:
+
+    >>> from absl import flags
+    >>> from keras_dist import flags as kd_flags
+    >>> fv = flags.FlagValues()
+    >>> kd_flags.define_flags(fv, staleness=False, local_steps=False, straggler=False,
+    ...                       metrics=False, sharding=False)
+    ['strategy', 'nonfinite_updates']
+    >>> fv["strategy"].default
+    'auto'
+    >>> try:
+    ...     fv(["train.py", "--strategy=mirored"])
+    ... except flags.IllegalFlagValueError as error:
+    ...     print(error)
+    flag --strategy=mirored: value should be one of
+    <auto|default|one_device|mirrored|multi_worker|parameter_server>
+    """
+    switches = dict(strategy=strategy, nonfinite_updates=nonfinite_updates,
+                    staleness=staleness, local_steps=local_steps, straggler=straggler,
+                    metrics=metrics, sharding=sharding)
+    caller = inspect.currentframe().f_back.f_globals.get("__name__", "")
+    caller = sys.argv[0] if caller == "__main__" else caller  # absl's name for the script
+    names = []
+    for group, wanted in switches.items():
+        if not wanted:
+            continue
+        if not _defined_here(flag_values, GROUPS[group][0]):
+            _DEFINE[group](flag_values)
+        for name in GROUPS[group]:
+            flag_values.register_key_flag_for_module(caller, flag_values[name])
+        names += GROUPS[group]
+    return names
+
+
+def strategy_from_flags(flag_values=FLAGS, *, cluster=None):
+    """`kd.resolve_strategy` with `--strategy` (and `--shard_min_bytes`).
+
+    Call it first in `main`, before anything creates a tensor: a
+    MultiWorkerMirroredStrategy must exist before TensorFlow runs anything.
+    Nothing in this module creates one before it. Hand the strategy to
+    `fit_kwargs(strategy=...)` afterwards.
+
+    Args:
+        flag_values: Parsed `absl.flags.FlagValues`. Defaults to `FLAGS`.
+        cluster: `ClusterConfig`, dict or `None` (read the environment).
+
+    Returns:
+        A `tf.distribute.Strategy`.
+
+    Example:
+
+    >>> from absl import flags
+    >>> from keras_dist import flags as kd_flags
+    >>> fv = flags.FlagValues()
+    >>> _ = kd_flags.define_flags(fv)
+    >>> _ = fv(["train.py", "--strategy=default"])
+    >>> kd_flags.strategy_from_flags(fv).num_replicas_in_sync
+    1
+
+    Raises:
+        ValueError: see `kd.resolve_strategy`; also `--shard_min_bytes`
+            without parameter servers.
+    """
+    from keras_dist import strategy as strategy_lib
+
+    return strategy_lib.resolve_strategy(
+        _value(flag_values, "strategy", "auto"), cluster,
+        variable_partitioner=_partitioner(flag_values, cluster))
+
+
+def wrap_optimizer(optimizer, flag_values=FLAGS):
+    """Wraps `optimizer` in the staleness-aware wrapper the flags choose.
+
+    For `model.compile` inside the script's `build_model`. `--staleness`
+    picks the wrapper (`none`: none), with its `--dcasgd_*` /
+    `--gap_aware_*` hyperparameters; `--max_staleness` adds
+    `StalenessLimit` outermost. With local steps or an outer optimizer (see
+    `fit_kwargs`) a push is the update, so the wrapper goes around the outer
+    optimizer instead and `optimizer` is returned unchanged.
+
+    Args:
+        optimizer: A `keras.optimizers.Optimizer`, or a name Keras knows
+            (`"sgd"`).
+        flag_values: Parsed `absl.flags.FlagValues`. Defaults to `FLAGS`.
+
+    Returns:
+        The wrapped optimizer, or `optimizer` itself when nothing wraps it.
+
+    Example:
+
+    >>> import keras
+    >>> from absl import flags
+    >>> from keras_dist import flags as kd_flags
+    >>> fv = flags.FlagValues()
+    >>> _ = kd_flags.define_flags(fv)
+    >>> _ = fv(["train.py", "--staleness=dcasgd", "--dcasgd_mode=adaptive",
+    ...         "--max_staleness=8"])
+    >>> opt = kd_flags.wrap_optimizer(keras.optimizers.SGD(0.1), fv)
+    >>> type(opt).__name__, opt.max_staleness
+    ('StalenessLimit', 8)
+    >>> type(opt.inner_optimizer).__name__, opt.inner_optimizer.mode
+    ('DCASGD', 'adaptive')
+    """
+    if _outer_wanted(flag_values) or not _wrapping(flag_values):
+        return optimizer
+    import keras
+
+    return _wrap(keras.optimizers.get(optimizer), flag_values)
+
+
+def fit_kwargs(flag_values=FLAGS, *, strategy=None, cluster=None, callbacks=None):
+    """The `kd.fit` keyword arguments the parsed flags ask for.
+
+    Only the groups defined on `flag_values` contribute:
+
+    - `strategy`: the `strategy` argument if given (e.g. what
+      `strategy_from_flags` returned), else `--strategy`;
+    - `nonfinite_updates`: when `--nonfinite_updates` is set;
+    - `local_steps`, and `outer_optimizer` when there is one: a Nesterov
+      `SGD(--outer_learning_rate, momentum=--outer_momentum)` when those
+      differ from 1.0 and 0.0 (which just add each push), or when local
+      steps and a staleness wrapper meet (the wrapper then goes around the
+      outer optimizer, `SGD(1.0)` by default, and `wrap_optimizer` leaves the
+      model's optimizer plain, as local steps need). Building it creates
+      TensorFlow variables: pass `strategy` from `strategy_from_flags`;
+    - `variable_partitioner`: with `--shard_min_bytes` and no `strategy`
+      given, a `MinSizePartitioner` with one shard at most per `ps` task
+      (`strategy_from_flags` builds it into the strategy otherwise);
+    - `cluster`: when given;
+    - `callbacks`, always a list: `StragglerDetector` (`--straggler_threshold`)
+      and `PerReplicaMetrics` (`--per_replica_metrics` or `--tensorboard_dir`) first,
+      so your callbacks see their logs under Keras' own loop too; then your
+      `callbacks`; then `keras.callbacks.TensorBoard(--tensorboard_dir)`, on the
+      chief only (other workers' numbers are the same), last so that it
+      records every log. Pass your own callbacks here, not to `kd.fit`
+      beside `**fit_kwargs(...)`, or Python sees `callbacks` twice.
+
+    Args:
+        flag_values: Parsed `absl.flags.FlagValues`. Defaults to `FLAGS`.
+        strategy: `tf.distribute.Strategy`, a strategy name, or `None`
+            (`--strategy`).
+        cluster: `ClusterConfig`, dict or `None` (read the environment).
+            Decides who is chief and how many `ps` tasks there are.
+        callbacks: List of your own Keras callbacks, or `None`.
+
+    Returns:
+        A dict to pass as `kd.fit(..., **fit_kwargs(...))`.
+
+    Example:
+
+    >>> import keras
+    >>> from absl import flags
+    >>> from keras_dist import flags as kd_flags
+    >>> fv = flags.FlagValues()
+    >>> _ = kd_flags.define_flags(fv)
+    >>> _ = fv(["train.py"])
+    >>> kd_flags.fit_kwargs(fv)
+    {'strategy': 'auto', 'local_steps': 1, 'callbacks': []}
+    >>> _ = fv(["train.py", "--per_replica_metrics", "--straggler_threshold=0.5",
+    ...         "--straggler_window=20"])
+    >>> kwargs = kd_flags.fit_kwargs(fv, callbacks=[keras.callbacks.TerminateOnNaN()])
+    >>> [type(c).__name__ for c in kwargs["callbacks"]]
+    ['StragglerDetector', 'PerReplicaMetrics', 'TerminateOnNaN']
+    >>> kwargs["callbacks"][0].window, kwargs["callbacks"][0].threshold
+    (20, 0.5)
+
+    Raises:
+        TypeError: if `callbacks` is not a list or tuple.
+        ValueError: `--shard_min_bytes` without parameter servers.
+    """
+    if callbacks is not None and not isinstance(callbacks, (list, tuple)):
+        raise TypeError(
+            "`callbacks` must be a list of Keras callbacks (it is combined with the "
+            f"flags' callbacks). Received: callbacks={callbacks!r}.")
+    if isinstance(cluster, dict):
+        cluster = _cluster(cluster)
+    kwargs = {}
+    if strategy is not None or "strategy" in flag_values:
+        kwargs["strategy"] = strategy if strategy is not None else flag_values.strategy
+    if _value(flag_values, "nonfinite_updates", None) is not None:
+        kwargs["nonfinite_updates"] = flag_values.nonfinite_updates
+    if "local_steps" in flag_values:
+        kwargs["local_steps"] = flag_values.local_steps
+    if _outer_wanted(flag_values):
+        import keras
+
+        momentum = flag_values.outer_momentum
+        outer = keras.optimizers.SGD(flag_values.outer_learning_rate, momentum=momentum,
+                                     nesterov=momentum > 0)
+        kwargs["outer_optimizer"] = _wrap(outer, flag_values) if _wrapping(flag_values) \
+            else outer
+    if strategy is None and _value(flag_values, "shard_min_bytes", None) is not None:
+        kwargs["variable_partitioner"] = _partitioner(flag_values, cluster)
+    if cluster is not None:
+        kwargs["cluster"] = cluster
+    kwargs["callbacks"] = _callbacks(flag_values, cluster, list(callbacks or ()))
+    return kwargs
+
+
+# ------------------------------------------------------------------ building
+def _value(flag_values, name, default):
+    """The parsed value of `name`, or `default` where its group is not defined."""
+    return getattr(flag_values, name) if name in flag_values else default
+
+
+def _wrapping(flag_values):
+    return (_value(flag_values, "staleness", "none") != "none"
+            or _value(flag_values, "max_staleness", None) is not None)
+
+
+def _outer_wanted(flag_values):
+    if "local_steps" not in flag_values:
+        return False
+    plain_push = (flag_values.outer_learning_rate == 1.0 and flag_values.outer_momentum == 0.0)
+    return not plain_push or (flag_values.local_steps > 1 and _wrapping(flag_values))
+
+
+def _wrap(optimizer, flag_values):
+    from keras_dist import optimizers
+
+    name = _value(flag_values, "staleness", "none")
+    if name != "none":
+        args = {arg: getattr(flag_values, flag)
+                for flag, arg in _WRAPPER_ARGS.get(name, {}).items()}
+        optimizer = getattr(optimizers, STALENESS_WRAPPERS[name])(optimizer, **args)
+    limit = _value(flag_values, "max_staleness", None)
+    if limit is not None:
+        optimizer = optimizers.StalenessLimit(optimizer, max_staleness=limit)
+    return optimizer
+
+
+def _cluster(cluster):
+    """`cluster` as a `ClusterConfig`; `None` reads the environment (and may stay `None`)."""
+    from keras_dist.cluster import ClusterConfig
+
+    if isinstance(cluster, dict):
+        return ClusterConfig.from_dict(cluster)
+    return ClusterConfig.from_env() if cluster is None else cluster
+
+
+def _partitioner(flag_values, cluster):
+    min_bytes = _value(flag_values, "shard_min_bytes", None)
+    if min_bytes is None:
+        return None
+    cluster = _cluster(cluster)
+    if cluster is None or not cluster.num_ps:
+        where = "no cluster" if cluster is None else f"a cluster of {cluster.describe()}"
+        raise ValueError(
+            f"--shard_min_bytes={min_bytes} splits large variables across the parameter "
+            f"servers, but this process runs on {where}, without 'ps' tasks. Launch "
+            "with parameter servers (keras-dist-run --ps N, or 'ps' tasks in TF_CONFIG), "
+            "or drop --shard_min_bytes.")
+    import tensorflow as tf
+
+    return tf.distribute.experimental.partitioners.MinSizePartitioner(
+        min_shard_bytes=min_bytes, max_shards=cluster.num_ps)
+
+
+def _callbacks(flag_values, cluster, own):
+    from keras_dist import callbacks as kd_callbacks
+
+    first, last = [], []
+    threshold = _value(flag_values, "straggler_threshold", None)
+    if threshold:
+        first.append(kd_callbacks.StragglerDetector(
+            window=flag_values.straggler_window, threshold=threshold,
+            action=flag_values.straggler_action))
+    log_dir = _value(flag_values, "tensorboard_dir", None)
+    if log_dir or _value(flag_values, "per_replica_metrics", False):
+        first.append(kd_callbacks.PerReplicaMetrics(
+            log_dir=log_dir or None, table=flag_values.per_replica_metrics))
+    if log_dir:
+        cluster = _cluster(cluster)
+        if cluster is None or cluster.is_chief:
+            import keras
+
+            last.append(keras.callbacks.TensorBoard(log_dir=os.fspath(log_dir)))
+    return first + own + last
+
+
+# ------------------------------------------------------------------ defining
+def _defined_here(flag_values, name):
+    return name in flag_values and flag_values.find_module_defining_flag(name) == __name__
+
+
+def _signature_default(cls, argument):
+    return inspect.signature(cls.__init__).parameters[argument].default
+
+
+def _validate(flag_values, name, check, rule):
+    """Registers `check(value)`; absl's error reads `flag --name=value: rule`."""
+    absl_flags.register_validator(name, check, message=rule, flag_values=flag_values)
+
+
+def _needs(flag_values, switch, names, condition, rule):
+    """Flags in `names` may be given only when `condition(value of switch)` holds."""
+    def check(values):
+        given = [f"--{n}" for n in names if flag_values[n].present]
+        if given and not condition(values[switch]):
+            raise absl_flags.ValidationError(
+                f"{', '.join(given)}: {rule} Received: --{switch}={values[switch]}.")
+        return True
+
+    absl_flags.register_multi_flags_validator([switch] + list(names), check,
+                                              flag_values=flag_values)
+
+
+def _define_strategy(fv):
+    from keras_dist.strategy import StrategyKind
+
+    absl_flags.DEFINE_enum(
+        "strategy", "auto", ["auto"] + [kind.value for kind in StrategyKind],
+        "tf.distribute strategy. 'auto' decides by KERAS_DIST_STRATEGY, then the "
+        "cluster (TF_CONFIG / SLURM), then the local GPUs (docs/choosing-a-strategy.md).",
+        flag_values=fv)
+
+
+def _define_nonfinite_updates(fv):
+    from keras_dist.update import MODES
+
+    absl_flags.DEFINE_enum(
+        "nonfinite_updates", None, list(MODES),
+        "What keras_dist's own loops do with an update whose gradients are NaN or Inf: "
+        "skip and count it, or raise. Unset: the model's setting, else skip.",
+        flag_values=fv)
+
+
+def _define_staleness(fv):
+    from keras_dist.optimizers import DCASGD, GapAware
+    from keras_dist.optimizers.dcasgd import MODES
+
+    absl_flags.DEFINE_enum(
+        "staleness", "none", ["none"] + list(STALENESS_WRAPPERS),
+        "Staleness-aware wrapper around the optimizer (asynchronous training): "
+        "scaled g/max(tau,1), dynsgd g/(tau+1), dcasgd delay compensation, gap_aware "
+        "per-weight gap penalty (docs/staleness-aware-optimizers.md).", flag_values=fv)
+    absl_flags.DEFINE_integer(
+        "max_staleness", None, "Drop updates staler than this (StalenessLimit, outside the "
+        "--staleness wrapper); 2 x workers is a common choice. Unset: no limit.",
+        flag_values=fv)
+    _validate(fv, "max_staleness", lambda v: v is None or v >= 0,
+              "must be an integer >= 0 (the largest tau still applied), or unset.")
+
+    def default(name):
+        return _signature_default(DCASGD, name)
+
+    absl_flags.DEFINE_enum("dcasgd_mode", default("mode"), list(MODES),
+                           "DC-ASGD: constant lambda (DC-ASGD-c) or adaptive (DC-ASGD-a).",
+                           flag_values=fv)
+    absl_flags.DEFINE_float("dcasgd_lambda", default("lambda_"),
+                            "DC-ASGD constant mode: the variance-control factor lambda.",
+                            flag_values=fv)
+    absl_flags.DEFINE_float("dcasgd_lambda0", default("lambda0"),
+                            "DC-ASGD adaptive mode: lambda0 in lambda0/sqrt(MS + epsilon).",
+                            flag_values=fv)
+    absl_flags.DEFINE_float("dcasgd_momentum", default("momentum"),
+                            "DC-ASGD adaptive mode: decay of the mean square MS.",
+                            flag_values=fv)
+    absl_flags.DEFINE_float("dcasgd_epsilon", default("epsilon"),
+                            "DC-ASGD adaptive mode: added under the square root.",
+                            flag_values=fv)
+    absl_flags.DEFINE_float("gap_aware_beta", _signature_default(GapAware, "beta"),
+                            "Gap-Aware: decay of the average of g*g.", flag_values=fv)
+    absl_flags.DEFINE_float("gap_aware_epsilon", _signature_default(GapAware, "epsilon"),
+                            "Gap-Aware: epsilon in eta_max * (sqrt(v) + epsilon).",
+                            flag_values=fv)
+    for name in ("dcasgd_lambda", "dcasgd_lambda0"):
+        _validate(fv, name, lambda v: v >= 0, "must be >= 0.")
+    _validate(fv, "dcasgd_momentum", lambda v: 0 <= v < 1, "must be in the range [0, 1).")
+    _validate(fv, "gap_aware_beta", lambda v: 0 <= v < 1, "must be in the range [0, 1).")
+    for name in ("dcasgd_epsilon", "gap_aware_epsilon"):
+        _validate(fv, name, lambda v: v > 0, "must be > 0.")
+    for wrapper, names in _WRAPPER_ARGS.items():
+        _needs(fv, "staleness", names, lambda value, wrapper=wrapper: value == wrapper,
+               f"{STALENESS_WRAPPERS[wrapper]} hyperparameters, used only with "
+               f"--staleness={wrapper}. Pass --staleness={wrapper} or leave them out.")
+
+
+def _define_local_steps(fv):
+    absl_flags.DEFINE_integer(
+        "local_steps", 1, "Parameter servers only: steps each worker takes on its own copy "
+        "of the weights per push (Downpour / local SGD, docs/local-steps.md).",
+        flag_values=fv)
+    absl_flags.DEFINE_float(
+        "outer_learning_rate", 1.0, "Parameter servers only: learning rate of the outer SGD "
+        "that applies each push (DiLoCo); 1.0 with --outer_momentum=0 adds the push as is.",
+        flag_values=fv)
+    absl_flags.DEFINE_float(
+        "outer_momentum", 0.0, "Parameter servers only: Nesterov momentum of the outer SGD.",
+        flag_values=fv)
+    _validate(fv, "local_steps", lambda v: v >= 1,
+              "must be an integer >= 1 (1: every step updates the parameter servers).")
+    _validate(fv, "outer_learning_rate", lambda v: v > 0, "must be > 0.")
+    _validate(fv, "outer_momentum", lambda v: 0 <= v < 1, "must be in the range [0, 1).")
+
+
+def _define_straggler(fv):
+    from keras_dist.callbacks import StragglerDetector
+
+    absl_flags.DEFINE_float(
+        "straggler_threshold", None, "Add a StragglerDetector: flag a worker whose median "
+        "step is slower than the fastest's / threshold (score below it); "
+        f"{_signature_default(StragglerDetector, 'threshold')} is the usual value. "
+        "Unset or 0: no detector.", flag_values=fv)
+    absl_flags.DEFINE_integer(
+        "straggler_window", _signature_default(StragglerDetector, "window"),
+        "StragglerDetector: steps per worker in the rolling median.", flag_values=fv)
+    absl_flags.DEFINE_enum(
+        "straggler_action", _signature_default(StragglerDetector, "action"),
+        ["warn", "raise"], "StragglerDetector: log a line, or stop training with "
+        "StragglerError, when a worker becomes a straggler.", flag_values=fv)
+    _validate(fv, "straggler_threshold", lambda v: v is None or 0 <= v < 1,
+              "must be in the range (0, 1) (a worker is flagged when fastest median / its "
+              "median falls below it), or 0 / unset for no detector.")
+    _validate(fv, "straggler_window", lambda v: v >= 2, "must be an integer >= 2.")
+    _needs(fv, "straggler_threshold", ["straggler_window", "straggler_action"], bool,
+           "StragglerDetector settings, but the detector is off. Pass "
+           "--straggler_threshold (e.g. 0.75) too, or leave them out.")
+
+
+def _define_metrics(fv):
+    absl_flags.DEFINE_string(
+        "tensorboard_dir", None, "TensorBoard directory: Keras' TensorBoard callback "
+        "(chief only) and one run per worker from PerReplicaMetrics (<dir>/<worker>). "
+        "Unset: none.",
+        flag_values=fv)
+    absl_flags.DEFINE_boolean(
+        "per_replica_metrics", False, "Add PerReplicaMetrics: each worker's loss, step time, "
+        "throughput and staleness in the epoch logs, and a table at the end.",
+        flag_values=fv)
+
+
+def _define_sharding(fv):
+    absl_flags.DEFINE_integer(
+        "shard_min_bytes", None, "Parameter servers only: split variables larger than this "
+        "into shards of at least this many bytes, at most one per ps task "
+        "(MinSizePartitioner, docs/sharded-variables.md). Unset: no sharding.",
+        flag_values=fv)
+    _validate(fv, "shard_min_bytes", lambda v: v is None or v >= 1,
+              "must be a number of bytes >= 1, or unset.")
+
+
+_DEFINE = {
+    "strategy": _define_strategy,
+    "nonfinite_updates": _define_nonfinite_updates,
+    "staleness": _define_staleness,
+    "local_steps": _define_local_steps,
+    "straggler": _define_straggler,
+    "metrics": _define_metrics,
+    "sharding": _define_sharding,
+}
