@@ -28,6 +28,7 @@ import json
 import math
 import re
 import shlex
+import textwrap
 
 __all__ = ["add_arguments", "emit_from_args", "slurm", "tfjob"]
 
@@ -39,6 +40,13 @@ DEFAULT_PORT = 2222
 
 SLURM_PORT = 8888
 """First port on each node under SLURM (`ClusterConfig.from_slurm` default)."""
+
+SLURM_JOBS_ENV = "KERAS_DIST_SLURM_JOBS"
+"""The variable naming the roles of a SLURM step (`keras_dist.cluster`'s
+`SLURM_JOBS_ENV`, repeated here so this module needs no TensorFlow)."""
+
+SLURM_WAIT = 60
+"""With `ps`: seconds `srun --wait` lets the other tasks run once one exits."""
 
 # TFJob replica type (the operator's spelling) for each TensorFlow role, in
 # the order the manifest lists them. The operator lowercases the replica type
@@ -162,23 +170,35 @@ def slurm(command, *, workers, ps=0, evaluator=False, name="keras-dist",
     """A SLURM batch script that runs `command` as every task.
 
     The script asks for one SLURM task per TensorFlow task and starts them
-    all with `srun`. keras-dist reads each task's role from SLURM
-    (`ClusterConfig.from_env`, through TensorFlow's `SlurmClusterResolver`):
-    every task is a worker, rank `i` is worker `i`, and worker 0 leads, as
-    with `keras-dist-run --workers N`. Ports start at 8888 on each node. The
+    all with one `srun`. The tasks are those `keras-dist-run` would start:
+    `workers` workers, plus a chief and `ps` parameter servers when `ps > 0`
+    (asynchronous training; the chief leads), plus an evaluator if asked;
+    without `ps`, worker 0 leads. The script exports
+    `KERAS_DIST_SLURM_JOBS` with that layout (e.g. `chief:1,worker:2,ps:1`),
+    and each task reads its role with `ClusterConfig.from_env` (through
+    TensorFlow's `SlurmClusterResolver`). TensorFlow hands out the ranks by
+    role in alphabetical order of the role names, `chief`, `evaluator`,
+    `ps`, `worker`: with `ps=1, workers=2`, rank 0 is the chief, rank 1 ps
+    0, ranks 2 and 3 workers 0 and 1. Ports start at 8888 on each node. The
     script unsets `TF_CONFIG` (keras-dist would read it before SLURM) and
-    sets what the launcher sets for each task. `srun --kill-on-bad-exit=1`
-    stops every task when one fails.
+    sets what the launcher sets for each task.
 
-    Parameter servers and an evaluator are not available here yet: a SLURM
-    step is read as workers only, so such a script would train synchronously
-    without them. For those, see docs/kubernetes-and-slurm.md.
+    How the step ends: `srun --kill-on-bad-exit=1` ends every task as soon
+    as one exits with an error (a failed worker is not restarted). Without
+    `ps`, `srun` waits for every task. With `ps`, the parameter servers and
+    workers serve until stopped, so `srun --wait=60` ends the tasks still
+    running 60 seconds after the first one exits: normally the chief, when
+    training is done (an evaluator that exits first ends the step too).
+    `srun` then exits with 128 + the signal that ended them, so the job shows
+    as failed even after a good run: the chief's lines (rank 0) tell.
 
     Args:
         command: List of strings. The command every task runs.
         workers: Integer, at least 1. Number of worker tasks.
-        ps: Integer. Must be `0` (see above). Defaults to `0`.
-        evaluator: Boolean. Must be `False` (see above). Defaults to `False`.
+        ps: Integer, 0 or more. Number of parameter-server tasks; more than
+            0 also adds a chief. Defaults to `0` (synchronous multi-worker).
+        evaluator: Boolean. Whether to add an evaluator task. Defaults to
+            `False`.
         name: String. The SLURM job name (letters, digits, `.`, `_`, `-`).
             Defaults to `"keras-dist"`.
         time: String. The time limit, `[days-]hours:minutes:seconds` or
@@ -199,15 +219,22 @@ def slurm(command, *, workers, ps=0, evaluator=False, name="keras-dist",
 
     >>> from keras_dist import recipes
     >>> print(recipes.slurm(["python", "train.py", "--epochs", "5"], workers=2,
-    ...                     name="digits"))
+    ...                     ps=1, name="digits"))
     #!/bin/bash
-    # SLURM batch script from keras-dist: 2 workers (synchronous multi-worker).
-    # Submit with `sbatch FILE`. Each task reads its role from SLURM: rank i is
-    # worker i; worker 0 leads. Ports start at 8888 on each node and have no
-    # authentication: keep the nodes on a private network (see docs/security.md).
+    # SLURM batch script from keras-dist: 1 chief, 2 workers, 1 ps (asynchronous training).
+    # Submit with `sbatch FILE`. Each task reads its role from SLURM and
+    # KERAS_DIST_SLURM_JOBS. TensorFlow gives ranks to roles in alphabetical order
+    # (chief, evaluator, ps, worker): rank 0 is the chief, rank 1 is ps 0, ranks 2-3
+    # are workers 0-1. The chief leads.
+    # The ps and worker tasks serve until stopped: srun ends the step 60 s after the
+    # first task exits (the chief, when training is done), and at once if any task
+    # fails (--kill-on-bad-exit=1). srun then exits non-zero for the tasks it
+    # stopped: the chief's lines (prefix "0: ") tell how training went.
+    # Ports start at 8888 on each node and have no authentication: keep the nodes on
+    # a private network (see docs/security.md).
     #SBATCH --job-name=digits
-    #SBATCH --ntasks=2
-    #SBATCH --nodes=2
+    #SBATCH --ntasks=4
+    #SBATCH --nodes=4
     #SBATCH --ntasks-per-node=1
     #SBATCH --time=01:00:00
     #SBATCH --output=%x-%j.out
@@ -216,17 +243,19 @@ def slurm(command, *, workers, ps=0, evaluator=False, name="keras-dist",
     # keras-dist reads TF_CONFIG before SLURM: one left in the environment
     # sbatch was called from must not reach the tasks.
     unset TF_CONFIG
+    export KERAS_DIST_SLURM_JOBS=chief:1,worker:2,ps:1
     export PYTHONUNBUFFERED=1
     export GRPC_FAIL_FAST="${GRPC_FAIL_FAST:-use_caller}"
     export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
     <BLANKLINE>
-    srun --ntasks=2 --distribution=block --kill-on-bad-exit=1 --label \\
+    srun --ntasks=4 --distribution=block --kill-on-bad-exit=1 --wait=60 --label \\
       python train.py --epochs 5
     <BLANKLINE>
 
     Raises:
-        ValueError: for an empty command, `workers < 1`, `ps != 0`, an
-            evaluator, or a malformed name, time or count.
+        ValueError: for an empty command, `workers < 1`, `ps < 0`, a
+            non-boolean `evaluator`, or a malformed name, partition, time or
+            count.
     """
     return _slurm(command, workers, ps, evaluator, name, time, partition,
                   tasks_per_node, cpus_per_task, gpus_per_task, _API)
@@ -459,16 +488,6 @@ def _slurm(command, workers, ps, evaluator, name, time, partition, tasks_per_nod
            cpus_per_task, gpus_per_task, names):
     command = _check_command(command)
     counts = _counts(workers, ps, evaluator, names)
-    if ps or evaluator:
-        what = (f"{_show('ps', ps, names)} (parameter servers and a chief)" if ps
-                else "an evaluator")
-        raise ValueError(
-            f"A SLURM recipe cannot have {what} yet: keras-dist reads a SLURM job "
-            "step as workers only (ClusterConfig.from_env calls from_slurm without "
-            "`jobs`), so every task would train as a synchronous worker. Use a "
-            "TFJob instead (--emit tfjob), or write the batch script yourself and "
-            "build the cluster in your script with ClusterConfig.from_slurm(jobs=...)"
-            " (docs/launching.md#slurm).")
     for key, value in (("name", name), ("partition", partition)):
         if value is not None and not (
                 isinstance(value, str) and _SLURM_NAME.fullmatch(value)):
@@ -493,18 +512,38 @@ def _slurm(command, workers, ps, evaluator, name, time, partition, tasks_per_nod
               "time": time, "output": "%x-%j.out", "partition": partition,
               "cpus-per-task": cpus_per_task, "gpus-per-task": gpus_per_task}
     srun = ["srun", f"--ntasks={tasks}", "--distribution=block",
-            "--kill-on-bad-exit=1", "--label"]
+            "--kill-on-bad-exit=1"]
+    if ps:
+        # The ps and worker tasks serve forever: end them SLURM_WAIT seconds
+        # after the first task (the chief, when training is done) exits.
+        srun.append(f"--wait={SLURM_WAIT}")
+    srun.append("--label")
     if cpus_per_task is not None:
         # srun does not take --cpus-per-task over from sbatch on every SLURM
         # release (22.05 stopped doing it): say it again.
         srun.append(f"--cpus-per-task={cpus_per_task}")
-    lines = [
-        "#!/bin/bash",
-        f"# SLURM batch script from keras-dist: {_describe(counts)}.",
-        "# Submit with `sbatch FILE`. Each task reads its role from SLURM: rank i is",
-        f"# worker i; worker 0 leads. Ports start at {SLURM_PORT} on each node and have no",
-        "# authentication: keep the nodes on a private network (see docs/security.md).",
-    ]
+    lines = ["#!/bin/bash",
+             f"# SLURM batch script from keras-dist: {_describe(counts)}."]
+    lines += _comment(
+        "Submit with `sbatch FILE`. Each task reads its role from SLURM and "
+        f"{SLURM_JOBS_ENV}. TensorFlow gives ranks to roles in alphabetical "
+        f"order (chief, evaluator, ps, worker): {_slurm_ranks(counts)}. "
+        + ("The chief leads." if counts["chief"] else "Worker 0 leads."))
+    if ps:
+        lines += _comment(
+            f"The ps and worker tasks serve until stopped: srun ends the step "
+            f"{SLURM_WAIT} s after the first task exits (the chief, when training "
+            "is done" + ("; an evaluator must not exit before it" if evaluator
+                         else "") + "), and at once if any task fails "
+            "(--kill-on-bad-exit=1). srun then exits non-zero for the tasks it "
+            'stopped: the chief\'s lines (prefix "0: ") tell how training went.')
+    else:
+        lines += _comment(
+            "srun waits for every task, and ends them all at once if one fails "
+            "(--kill-on-bad-exit=1).")
+    lines += _comment(
+        f"Ports start at {SLURM_PORT} on each node and have no authentication: "
+        "keep the nodes on a private network (see docs/security.md).")
     lines += [f"#SBATCH --{key}={value}" for key, value in sbatch.items()
               if value is not None]
     lines += [
@@ -513,12 +552,41 @@ def _slurm(command, workers, ps, evaluator, name, time, partition, tasks_per_nod
         "# keras-dist reads TF_CONFIG before SLURM: one left in the environment",
         "# sbatch was called from must not reach the tasks.",
         "unset TF_CONFIG",
+        f"export {SLURM_JOBS_ENV}=" + ",".join(
+            f"{role}:{n}" for role, n in counts.items() if n),
     ]
     for key, value in TASK_ENV:
         lines.append(f"export {key}={value}" if key == "PYTHONUNBUFFERED"
                      else f'export {key}="${{{key}:-{value}}}"')
     lines += ["", shlex.join(srun) + " \\", "  " + shlex.join(command)]
     return "\n".join(lines) + "\n"
+
+
+def _slurm_ranks(counts):
+    """Which ranks TensorFlow's `SlurmClusterResolver` gives each role.
+
+    It takes the roles in `sorted()` order of their names and gives each the
+    next `count` ranks, e.g. `rank 0 is the chief, ranks 1-2 are workers 0-1`.
+    """
+    parts, rank = [], 0
+    for role in sorted(counts):
+        n = counts[role]
+        if not n:
+            continue
+        if n == 1:
+            who = f"the {role}" if role in ("chief", "evaluator") else f"{role} 0"
+            parts.append(f"rank {rank} is {who}")
+        else:
+            plural = role if role == "ps" else role + "s"
+            parts.append(f"ranks {rank}-{rank + n - 1} are {plural} 0-{n - 1}")
+        rank += n
+    return ", ".join(parts)
+
+
+def _comment(text):
+    """`text` as `# ` comment lines of at most 80 characters."""
+    return ["# " + line for line in textwrap.wrap(text, 78, break_long_words=False,
+                                                  break_on_hyphens=False)]
 
 
 # ------------------------------------------------------------------ shared

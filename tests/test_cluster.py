@@ -6,6 +6,7 @@ Python objects, so the logical-CPU set-up in conftest.py stays valid.
 
 import json
 import os
+import re
 import socket
 
 import pytest
@@ -357,3 +358,111 @@ def test_from_slurm_rejects_procid_out_of_range():
 def test_local_rejects_bad_counts(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ClusterConfig.local(**kwargs)
+
+
+# ------------------------------------------------- KERAS_DIST_SLURM_JOBS
+def _slurm_jobs_env(jobs, procid=0, num_tasks=4):
+    nodes = f"node[1-{num_tasks}]"
+    return {**_slurm_env(procid, num_tasks, nodes, f"1(x{num_tasks})"),
+            "KERAS_DIST_SLURM_JOBS": jobs}
+
+
+def test_slurm_jobs_env_name_is_public():
+    from keras_dist import cluster
+
+    assert cluster.SLURM_JOBS_ENV == "KERAS_DIST_SLURM_JOBS"
+
+
+@pytest.mark.parametrize(
+    "jobs",
+    ["chief:1,ps:1,worker:2", "worker:2,ps:1,chief:1", " chief : 1 , worker:2,ps:1 ",
+     "chief:1,worker:2,ps:1,evaluator:0"],
+    ids=["sorted", "any-order", "spaces", "zero-count-dropped"],
+)
+def test_from_env_gives_slurm_ranks_roles_in_alphabetical_order(jobs):
+    configs = [ClusterConfig.from_env(_slurm_jobs_env(jobs, procid=rank))
+               for rank in range(4)]
+    assert [(c.task_type, c.task_index) for c in configs] == [
+        ("chief", 0), ("ps", 0), ("worker", 0), ("worker", 1)]
+    for config in configs:
+        assert config.source == "SLURM"
+        assert config.strategy_kind == "parameter_server"
+        assert config.cluster == {"chief": ("node1:8888",), "ps": ("node2:8888",),
+                                  "worker": ("node3:8888", "node4:8888")}
+    assert [c.is_chief for c in configs] == [True, False, False, False]
+    # The same as from_slurm(jobs=...), which from_env calls.
+    assert configs[1] == ClusterConfig.from_slurm(
+        jobs={"chief": 1, "worker": 2, "ps": 1}, environ=_slurm_env(1, 4, "node[1-4]", "1(x4)"))
+
+
+def test_from_env_slurm_jobs_with_evaluator_and_workers_only():
+    env = _slurm_jobs_env("worker:3,evaluator:1", procid=0)
+    assert (ClusterConfig.from_env(env).task_type, ClusterConfig.from_env(env).is_chief) == (
+        "evaluator", False)
+    worker0 = ClusterConfig.from_env({**env, "SLURM_PROCID": "1"})
+    assert (worker0.task_type, worker0.task_index, worker0.is_chief) == ("worker", 0, True)
+    assert worker0.strategy_kind == "multi_worker"
+
+
+@pytest.mark.parametrize("jobs", ["", "   "], ids=["empty", "blank"])
+def test_from_env_empty_slurm_jobs_means_all_workers(jobs):
+    config = ClusterConfig.from_env(_slurm_jobs_env(jobs, procid=3))
+    assert config.cluster == {"worker": ("node1:8888", "node2:8888", "node3:8888",
+                                         "node4:8888")}
+    assert (config.task_type, config.task_index) == ("worker", 3)
+
+
+def test_from_env_ignores_slurm_jobs_under_tf_config_or_in_a_one_task_step():
+    environ = {**_slurm_jobs_env("nonsense"), "TF_CONFIG": _tf_config(TWO_WORKERS, "worker", 0)}
+    assert ClusterConfig.from_env(environ).source == "TF_CONFIG"
+    assert ClusterConfig.from_env(_slurm_jobs_env("nonsense", num_tasks=1)) is None
+
+
+_FORM = r"Write comma-separated role:count pairs.*e\.g\. KERAS_DIST_SLURM_JOBS=chief:1,ps:1,worker:2"
+
+
+@pytest.mark.parametrize(
+    "jobs, bad",
+    [
+        ("worker", r"'worker' is not role:count"),
+        ("worker=4", r"'worker=4' is not role:count"),
+        ("chief:1,,worker:3", r"an empty entry is not role:count"),
+        ("worker:4,", r"an empty entry is not role:count"),
+        ("worker:2:2", r"'worker:2:2' is not role:count"),
+        (":4", r"':4' is not role:count"),
+        ("workers:4", r"'workers' in 'workers:4' is not a role"),
+        ("master:1,worker:3", r"'master' in 'master:1' is not a role \('master' is "
+                              r"TensorFlow's old name for 'chief'\)"),
+        ("worker:2,worker:2", r"role 'worker' is given twice"),
+        ("worker:-4", r"the count '-4' in 'worker:-4' is not an integer 0 or more"),
+        ("worker:two", r"the count 'two' in 'worker:two' is not an integer"),
+        ("worker:2.5,chief:1", r"the count '2\.5' in 'worker:2\.5' is not an integer"),
+        ("worker:", r"the count '' in 'worker:' is not an integer"),
+        ("worker:0,chief:0", r"every count is 0"),
+    ],
+)
+def test_from_env_rejects_malformed_slurm_jobs(jobs, bad):
+    match = rf"KERAS_DIST_SLURM_JOBS={re.escape(repr(jobs))} is malformed: {bad}.*{_FORM}"
+    with pytest.raises(ValueError, match=match):
+        ClusterConfig.from_env(_slurm_jobs_env(jobs))
+
+
+def test_from_env_rejects_slurm_jobs_not_matching_the_step():
+    with pytest.raises(ValueError, match=r"KERAS_DIST_SLURM_JOBS='chief:1,ps:1,worker:1' "
+                                         r"names 3 tasks but the SLURM step has "
+                                         r"SLURM_STEP_NUM_TASKS=4.*--ntasks=3"):
+        ClusterConfig.from_env(_slurm_jobs_env("chief:1,ps:1,worker:1"))
+
+
+@pytest.mark.parametrize(
+    "jobs, match",
+    [
+        ("ps:1,worker:3", r"'ps' tasks but no 'chief'"),
+        ("chief:2,worker:2", r"at most one chief"),
+        ("evaluator:2,worker:2", r"at most one evaluator"),
+    ],
+)
+def test_from_env_slurm_jobs_layout_errors_name_the_variable(jobs, match):
+    with pytest.raises(ValueError, match=rf"{match}.*Roles from KERAS_DIST_SLURM_JOBS="
+                                         rf"{re.escape(repr(jobs))}"):
+        ClusterConfig.from_env(_slurm_jobs_env(jobs))

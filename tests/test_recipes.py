@@ -338,6 +338,94 @@ def test_slurm_ranks_read_the_roles_and_strategy_the_launcher_gives(
         assert config.address.rpartition(":")[0] == rank_hosts[rank]
 
 
+def _slurm_rank_configs(script, tmp_path, per_node=1):
+    """Each rank's `ClusterConfig.from_env`, in the environment srun gives it."""
+    _, exported = _run_with_fake_srun(script, tmp_path)
+    tasks = int(_sbatch(script, "ntasks"))
+    nodelist, tasks_per_node, rank_hosts = _block_layout(tasks, per_node)
+    configs = [ClusterConfig.from_env({
+        **exported, "SLURM_PROCID": str(rank), "SLURM_STEP_NUM_TASKS": str(tasks),
+        "SLURM_STEP_NODELIST": nodelist, "SLURM_STEP_TASKS_PER_NODE": tasks_per_node,
+        "SLURMD_NODENAME": rank_hosts[rank]}) for rank in range(tasks)]
+    return configs, rank_hosts, exported
+
+
+ASYNC_SLURM_SHAPES = [
+    pytest.param(dict(workers=2, ps=1, evaluator=False), 1,
+                 ["chief", "ps", "worker", "worker"], id="chief-2-workers-1-ps"),
+    pytest.param(dict(workers=2, ps=1, evaluator=True), 1,
+                 ["chief", "evaluator", "ps", "worker", "worker"],
+                 id="chief-2-workers-1-ps-evaluator"),
+    pytest.param(dict(workers=3, ps=2, evaluator=True), 2,
+                 ["chief", "evaluator", "ps", "ps", "worker", "worker", "worker"],
+                 id="chief-3-workers-2-ps-evaluator-2-per-node"),
+]
+
+
+@pytest.mark.parametrize("shape,per_node,rank_roles", ASYNC_SLURM_SHAPES)
+def test_slurm_async_ranks_read_the_roles_the_launcher_gives(
+        shape, per_node, rank_roles, tmp_path):
+    script = recipes.slurm(COMMAND, tasks_per_node=per_node, **shape)
+    configs, rank_hosts, exported = _slurm_rank_configs(script, tmp_path, per_node)
+    counts = _local_counts(shape)
+    assert exported["KERAS_DIST_SLURM_JOBS"] == ",".join(
+        f"{role}:{n}" for role, n in counts.items())
+    assert len(configs) == sum(counts.values())
+    # TensorFlow's resolver: roles in alphabetical order, each taking the next ranks.
+    assert [c.task_type for c in configs] == rank_roles
+    for config in configs:
+        assert config.source == "SLURM"
+        assert config.strategy_kind == "parameter_server"
+        assert {r: len(a) for r, a in config.cluster.items()} == counts
+    assert [c.is_chief for c in configs] == [True] + [False] * (len(configs) - 1)
+    # Every (role, index) of the local cluster, exactly once.
+    assert sorted((c.task_type, c.task_index) for c in configs) == sorted(
+        (t.task_type, t.task_index) for t in _local_tasks(shape))
+    # The address others dial for each task is on the node srun put it on.
+    for rank, config in enumerate(configs):
+        assert config.address.rpartition(":")[0] == rank_hosts[rank]
+    # The script's header says the same.
+    assert "rank 0 is the chief" in script and "The chief leads." in script
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_slurm_ranks_of_every_layout_match_the_launchers_tasks(shape, tmp_path):
+    script = recipes.slurm(COMMAND, **shape)
+    configs, _, _ = _slurm_rank_configs(script, tmp_path)
+    local_tasks = _local_tasks(shape)
+    if len(local_tasks) == 1:  # a one-task step: no cluster, as one local worker
+        assert configs == [None] and local_tasks[0].strategy_kind is None
+        return
+    assert sorted((c.task_type, c.task_index) for c in configs) == sorted(
+        (t.task_type, t.task_index) for t in local_tasks)
+    for config in configs:
+        local = next(t for t in local_tasks
+                     if (t.task_type, t.task_index) == (config.task_type,
+                                                        config.task_index))
+        assert config.is_chief == local.is_chief
+        assert config.strategy_kind == local.strategy_kind
+    assert sum(c.is_chief for c in configs) == 1
+
+
+@pytest.mark.parametrize("ps,wait", [(0, False), (1, True), (2, True)])
+def test_slurm_srun_waits_60_s_after_the_first_exit_only_with_ps(ps, wait, tmp_path):
+    argv, _ = _run_with_fake_srun(recipes.slurm(COMMAND, workers=2, ps=ps), tmp_path)
+    options = argv[:-len(COMMAND)]
+    assert ("--wait=60" in options) == wait
+    assert "--kill-on-bad-exit=1" in options
+
+
+def test_slurm_script_overrides_a_role_layout_from_the_submitting_shell(tmp_path):
+    _, env = _run_with_fake_srun(recipes.slurm(COMMAND, workers=3), tmp_path,
+                                 {"KERAS_DIST_SLURM_JOBS": "chief:1,ps:1,worker:1"})
+    assert env["KERAS_DIST_SLURM_JOBS"] == "worker:3"
+
+
+def test_slurm_jobs_variable_name_is_the_clusters():
+    from keras_dist import cluster
+    assert recipes.SLURM_JOBS_ENV == cluster.SLURM_JOBS_ENV == "KERAS_DIST_SLURM_JOBS"
+
+
 @pytest.mark.xfail(strict=True, reason=(
     "TensorFlow's SlurmClusterResolver sorts host names as strings, so with "
     "node[1-10] rank 1 (on node2) is given node10's address; "
@@ -394,6 +482,10 @@ def test_emit_from_args_matches_the_functions():
                  *COMMAND)
     assert recipes.emit_from_args(args) == recipes.slurm(COMMAND, workers=4,
                                                          name="digits")
+    args = _args("--workers", "2", "--ps", "1", "--evaluator", "--emit", "slurm",
+                 "--", *COMMAND)
+    assert recipes.emit_from_args(args) == recipes.slurm(COMMAND, workers=2, ps=1,
+                                                         evaluator=True)
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -409,7 +501,8 @@ def test_emit_from_args_matches_the_functions():
      r"`port` must be an integer from 1 to 65535\. Received: --port 0"),
     (["--emit", "slurm", "--workers", "0"],
      r"`workers` must be an integer at least 1\. Received: --workers 0"),
-    (["--emit", "slurm", "--ps", "1"], r"cannot have --ps 1 \(parameter servers"),
+    (["--emit", "slurm", "--ps", "-1"], r"`ps` must be an integer 0 or more\. "
+                                        r"Received: --ps -1"),
     (["--emit", "slurm", "--job-name", "my job"], r"--job-name my job is not a valid "
                                                   r"SLURM name"),
 ])
@@ -476,9 +569,6 @@ def test_tfjob_name_length_limit_is_the_services_limit():
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(ps=1), r"cannot have ps=1 \(parameter servers and a chief\) yet.*workers "
-                 r"only.*from_slurm\(jobs=\.\.\.\)"),
-    (dict(evaluator=True), r"cannot have an evaluator yet"),
     (dict(name="my job"), r"name='my job' is not a valid SLURM name"),
     (dict(partition="gpu;rm"), r"partition='gpu;rm' is not a valid SLURM partition"),
     (dict(time="soon"), r"time='soon' is not a SLURM time limit.*'01:00:00'"),
@@ -486,6 +576,6 @@ def test_tfjob_name_length_limit_is_the_services_limit():
     (dict(cpus_per_task=0), r"`cpus_per_task` must be an integer at least 1"),
     (dict(gpus_per_task=1.5), r"`gpus_per_task` must be an integer.*gpus_per_task=1\.5"),
 ])
-def test_slurm_refuses_what_it_cannot_run(kwargs, message):
+def test_slurm_refuses_what_slurm_would(kwargs, message):
     with pytest.raises(ValueError, match=message):
         recipes.slurm(COMMAND, **{"workers": 2, **kwargs})
