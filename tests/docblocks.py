@@ -1,0 +1,324 @@
+"""The fenced code blocks of README.md and docs/*.md, and how each one runs.
+
+Used by tests/test_docs_examples.py, whose docstring describes the markers.
+This module parses the pages (`parse_page`), runs a page's Python session
+(`python tests/docblocks.py session BLOCKS.json`, one fresh process per page)
+and runs shell commands in a sandbox (`Runner`).
+"""
+
+import collections
+import concurrent.futures
+import dataclasses
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# (Empty when tests/ runs outside the checkout, as `make compat` runs it.)
+PAGES = [page for page in ["README.md"] + sorted(
+    os.path.join("docs", name)
+    for name in (os.listdir(os.path.join(REPO, "docs"))
+                 if os.path.isdir(os.path.join(REPO, "docs")) else [])
+    if name.endswith(".md")) if os.path.exists(os.path.join(REPO, page))]
+
+# Fence languages by kind. A language in none of these fails the suite (a
+# block nobody decided about is never skipped silently).
+LANGUAGES = {
+    "python": {"python", "py", "python3", "pycon"},
+    "shell": {"bash", "sh", "shell", "console", "zsh"},
+    "json": {"json"},
+    "yaml": {"yaml", "yml"},
+    "text": {"", "text", "txt", "plain", "output"},
+}
+# Directive -> whether it takes an argument.
+DIRECTIVES = {"skip": True, "file": True, "cluster": True, "continue": False,
+              "raises": True, "expect": True, "shells": False}
+
+_FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})\s*(?P<info>[^`\s]*)[^`]*$")
+_MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*(?P<body>.*?)\s*-->\s*$")
+
+
+@dataclasses.dataclass
+class Block:
+    page: str           # "docs/launching.md"
+    line: int           # 1-based line of the opening fence
+    lang: str           # the fence's language, lower case ("" if none)
+    code: str           # the content, dedented by the fence's indentation
+    markers: list       # [(directive, argument or None), ...] in order
+
+    @property
+    def kind(self):
+        for kind, names in LANGUAGES.items():
+            if self.lang in names:
+                return kind
+        return None
+
+    @property
+    def where(self):
+        return f"{self.page}:{self.line}"
+
+    def marker(self, directive):
+        """The argument of `directive` ("" if it takes none), or None if absent."""
+        for name, argument in self.markers:
+            if name == directive:
+                return argument if argument is not None else ""
+        return None
+
+    def markers_of(self, directive):
+        return [argument for name, argument in self.markers if name == directive]
+
+
+def parse_marker(body, where):
+    """`skip: reason` / `cluster --workers 2` / `continue` -> (directive, argument)."""
+    match = re.match(r"^(?P<name>[a-z-]+)(?P<colon>:?)\s*(?P<argument>.*)$", body)
+    if match is None or match["name"] not in DIRECTIVES:
+        raise ValueError(f"{where}: unknown docs-test marker {body!r}; known: "
+                         f"{', '.join(sorted(DIRECTIVES))}")
+    name, argument = match["name"], match["argument"].strip()
+    if DIRECTIVES[name] and not argument:
+        raise ValueError(f"{where}: docs-test marker {name!r} needs an argument "
+                         f"(e.g. `skip: why it cannot run here`)")
+    if not DIRECTIVES[name] and argument:
+        raise ValueError(f"{where}: docs-test marker {name!r} takes no argument; "
+                         f"received {argument!r}")
+    return name, (argument if DIRECTIVES[name] else None)
+
+
+def parse_page(page, text=None):
+    """Every fenced block of one page, with the markers on the lines before it."""
+    if text is None:
+        with open(os.path.join(REPO, page), encoding="utf-8") as f:
+            text = f.read()
+    lines = text.splitlines()
+    blocks, pending, i = [], [], 0
+    while i < len(lines):
+        line = lines[i]
+        marker = _MARKER.match(line)
+        if marker:
+            pending.append(parse_marker(marker["body"], f"{page}:{i + 1}"))
+            i += 1
+            continue
+        fence = _FENCE.match(line)
+        if fence is None:
+            if pending and line.strip():
+                raise ValueError(f"{page}:{i + 1}: a docs-test marker must be directly "
+                                 f"followed by a fenced code block")
+            i += 1
+            continue
+        indent, mark = fence["indent"], fence["fence"]
+        closing = re.compile(r"^[ \t]*" + re.escape(mark[0]) + "{" + str(len(mark)) +
+                             r",}\s*$")
+        body, j = [], i + 1
+        while j < len(lines) and not closing.match(lines[j]):
+            body.append(lines[j][len(indent):] if lines[j].startswith(indent)
+                        else lines[j].lstrip())
+            j += 1
+        if j == len(lines):
+            raise ValueError(f"{page}:{i + 1}: code fence is never closed")
+        blocks.append(Block(page, i + 1, fence["info"].lower(), "\n".join(body) + "\n",
+                            pending))
+        pending, i = [], j + 1
+    if pending:
+        raise ValueError(f"{page}: a docs-test marker at the end of the page has no block")
+    return blocks
+
+
+def is_doctest(code):
+    first = next((line for line in code.splitlines() if line.strip()), "")
+    return first.lstrip().startswith(">>>")
+
+
+def shell_commands(block):
+    """A shell block's script; for `console` blocks, only the `$ ` lines."""
+    if block.lang != "console":
+        return block.code
+    return "\n".join(line[2:] for line in block.code.splitlines()
+                     if line.startswith("$ ")) + "\n"
+
+
+# ------------------------------------------------------------------ sandbox
+# Brings up loopback in the new network namespace, then becomes the command.
+# (The same ioctl as keras_dist.isolation, without importing TensorFlow.)
+_BOOT = """
+import fcntl, os, socket, struct, sys
+with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    flags = struct.unpack("16sh", fcntl.ioctl(s, 0x8913, struct.pack("16sh", b"lo", 0)))[1]
+    fcntl.ioctl(s, 0x8914, struct.pack("16sh", b"lo", flags | 1))
+os.execvp(sys.argv[1], sys.argv[1:])
+"""
+
+
+def sandbox_prefix():
+    """A prefix that runs a command in private network and PID namespaces.
+
+    Nothing the command starts can reach or be reached from the network (the
+    docs' fixed ports cannot collide with anything), and when it ends, or is
+    killed, every process it started dies with it (`--kill-child`, PID 1 of
+    the namespace). Returns `(prefix, None)` or `(None, reason)`.
+    """
+    base = ["unshare", "--net", "--pid", "--fork", "--kill-child", "--mount-proc"]
+    if os.geteuid() != 0:
+        base.append("--map-root-user")
+    try:
+        probe = subprocess.run(base + ["true"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return None, f"unshare failed to start: {error}"
+    if probe.returncode != 0:
+        return None, f"unshare is not permitted here: {probe.stderr.strip()}"
+    return base + [sys.executable, "-c", _BOOT], None
+
+
+# rc: the exit code, None if the command timed out; seconds: wall time; cpu:
+# CPU seconds of the command and of every process it waited for.
+Result = collections.namedtuple("Result", "rc out seconds cpu")
+
+
+class Runner:
+    """Runs jobs two (or `workers`) at a time, and every process they start.
+
+    Pages are independent, and a 2-core machine is otherwise half idle while
+    a cluster starts up, so jobs run side by side in threads. `close()` kills
+    whatever is still running (each command runs in its own process group,
+    inside the sandbox when there is one, so its whole tree dies with it).
+    """
+
+    def __init__(self, prefix, workers=2):
+        self.prefix = prefix
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers)
+        self._futures = {}
+        self._procs = set()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def submit(self, key, fn, *args):
+        self._futures[key] = self._pool.submit(fn, self, *args)
+
+    def result(self, key):
+        return self._futures[key].result()
+
+    def run(self, argv, cwd, env, timeout):
+        """Runs argv in the sandbox; returns a `Result`.
+
+        The exit code is None when the command timed out: its process group
+        then gets SIGTERM (a launcher stops its tasks), then SIGKILL. When the
+        command ends, whatever it left running in its process group is killed
+        too (without the sandbox, a shell's background jobs would live on).
+        """
+        with tempfile.TemporaryFile("w+", errors="replace") as log:
+            with self._lock:
+                if self._closed:
+                    return Result(None, "[docs-test] not run: the session is ending", 0, 0)
+                start = time.monotonic()
+                proc = subprocess.Popen((self.prefix or []) + argv, cwd=cwd, env=env,
+                                        stdin=subprocess.DEVNULL, stdout=log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+                self._procs.add(proc)
+            try:
+                exited = _wait_unreaped(proc, timeout)
+                if not exited:
+                    _kill_group(proc, signal.SIGTERM)
+                    _wait_unreaped(proc, 10)
+            finally:
+                # The unreaped process holds its group id: no other group can
+                # have it yet, so this kills only what the command left behind.
+                _kill_group(proc, signal.SIGKILL)
+                with self._lock:
+                    self._procs.discard(proc)
+                _, status, usage = os.wait4(proc.pid, 0)
+                proc.returncode = os.waitstatus_to_exitcode(status)
+                rc = proc.returncode if exited else None
+            seconds = time.monotonic() - start
+            log.seek(0)
+            out = log.read()
+        if rc is None:
+            out += f"\n[docs-test] timed out after {timeout} s"
+        return Result(rc, out, seconds, usage.ru_utime + usage.ru_stime)
+
+    def close(self):
+        for future in self._futures.values():
+            future.cancel()
+        with self._lock:  # a listed process is not reaped yet: its group id is its own
+            self._closed = True
+            for proc in self._procs:
+                _kill_group(proc, signal.SIGKILL)
+        self._pool.shutdown(wait=True)
+
+
+def _wait_unreaped(proc, timeout):
+    """Waits up to `timeout` s for proc to exit, leaving it a zombie; True if it did."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        if info is not None:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+
+
+def _kill_group(proc, sig):
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# ------------------------------------------------------------------ session
+def run_session(spec_path):
+    """Runs a page's Python blocks in order in this process, in one namespace.
+
+    The spec is `{"prelude": code, "blocks": [{"where", "code", "raises"}]}`.
+    Exits 1 at the first block that fails, naming it.
+    """
+    import doctest
+    import traceback
+
+    with open(spec_path) as f:
+        spec = json.load(f)
+    namespace = {"__name__": "__main__"}
+    exec(compile(spec["prelude"], "<docs-test prelude>", "exec"), namespace)
+    for block in spec["blocks"]:
+        where, code, raises = block["where"], block["code"], block["raises"]
+        print(f"[docs-test] running {where}", flush=True)
+        try:
+            if is_doctest(code):
+                test = doctest.DocTestParser().get_doctest(code, namespace, where, where, 0)
+                runner = doctest.DocTestRunner(
+                    optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+                runner.run(test, clear_globs=False)
+                if runner.failures:
+                    raise AssertionError(f"{runner.failures} doctest example(s) failed")
+            else:
+                exec(compile(code, where, "exec"), namespace)
+        except BaseException as error:  # noqa: BLE001 -- report, then judge
+            name, _, text = (raises or "").partition(":")
+            if raises and type(error).__name__ == name.strip() and text.strip() in str(error):
+                print(f"[docs-test] {where} raised {raises} as marked: {error}", flush=True)
+                continue
+            traceback.print_exc()
+            print(f"[docs-test] FAILED {where}: {type(error).__name__}: {error}", flush=True)
+            sys.exit(1)
+        if raises:
+            print(f"[docs-test] FAILED {where}: marked `raises {raises}` but raised "
+                  f"nothing", flush=True)
+            sys.exit(1)
+        print(f"[docs-test] ok {where}", flush=True)
+
+
+def prelude_code(*parts):
+    """Joins code fragments, each dedented on its own."""
+    return "\n".join(textwrap.dedent(part).strip() + "\n" for part in parts if part.strip())
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["session"]:
+        run_session(sys.argv[2])
+    else:
+        sys.exit(f"usage: {sys.argv[0]} session SPEC.json")

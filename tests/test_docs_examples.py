@@ -1,0 +1,503 @@
+"""Every fenced code block of README.md and docs/*.md runs, as written.
+
+What runs how (by the fence's language):
+
+- **python**: the page's Python blocks run in order in ONE fresh process per
+  page, in one namespace, so a later block uses the names of an earlier one.
+  A block that starts with `>>>` is a doctest (its output is checked). Names
+  a page leaves to the reader on purpose (`x_train`, `build_model`, ...) come
+  from that page's entry in `PRELUDES` below, never from the docs.
+- **bash / sh / shell / console**: each block runs with `bash -eo pipefail`
+  (for `console`, only its `$ ` lines), in order, in the page's work
+  directory: a fresh temporary directory holding a symlink to every
+  top-level entry of the repository (`examples/`, `Makefile`, `.venv`, ...),
+  so commands run as in the clone, but what they write stays out of it.
+  `.venv/bin` comes first on `PATH` (as after `source .venv/bin/activate`),
+  and `make` never reinstalls into the shared `.venv`
+  (`--assume-old=.venv/.installed`).
+- **json / yaml**: parsed (`json.loads`, `yaml.safe_load_all`).
+- **text** (or no language): output, not code; not run.
+
+Any other language fails `test_every_block_has_a_known_kind`: no block is
+left out silently.
+
+Every command runs inside private network and PID namespaces (`unshare`,
+where permitted): the docs' fixed ports (`localhost:2222`) cannot collide or
+be reached, nothing reaches the network, and every process a block starts is
+killed with it.
+
+Markers: HTML comments on the lines directly before a block (invisible on
+the site), one directive each, several allowed:
+
+- `<!-- docs-test: skip: REASON -->`: not run. The reason is required, and
+  `test_skips_are_few_and_explained` prints every skip, page by page.
+- `<!-- docs-test: file NAME -->`: the Python block is written to NAME in the
+  page's work directory, for a later shell block to run; not run by itself.
+- `<!-- docs-test: cluster ARGS -->`: the Python block runs as a script
+  under `python -m keras_dist.launch ARGS -- python SCRIPT`, after the page's
+  `CLUSTER_PRELUDES` entry; the launcher must exit 0.
+- `<!-- docs-test: continue -->`: the Python block is appended to the
+  previous `file` or `cluster` block's script.
+- `<!-- docs-test: raises NAME[: TEXT] -->`: the Python block must raise the
+  exception class NAME (e.g. `ValueError`), with TEXT in its message if
+  given; the page goes on after it.
+- `<!-- docs-test: expect TEXT -->`: the output of the shell or `cluster`
+  block must contain TEXT (what the docs promise it prints).
+- `<!-- docs-test: shells -->`: a shell block of `# shell N` sections, each
+  typed into a shell of its own: they run at the same time, each must exit 0.
+
+The jobs (each page's Python session, each cluster script, each page's shell
+blocks) all start when the first of them is needed, two at a time
+(`KD_DOCS_TEST_JOBS=N` to change), and each test waits for its own.
+"""
+
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import textwrap
+
+import pytest
+
+import docblocks
+from docblocks import REPO
+
+VENV_BIN = os.path.join(REPO, ".venv", "bin")
+PYTHON = os.path.join(VENV_BIN, "python") if os.path.exists(
+    os.path.join(VENV_BIN, "python")) else sys.executable
+SHELL_TIMEOUT = 240     # seconds per shell block
+CLUSTER_TIMEOUT = 240   # seconds per cluster script
+SESSION_TIMEOUT = 240   # seconds per page's Python session
+JOB_WAIT = 600          # seconds a test may wait for its job (queued behind others)
+
+# ---------------------------------------------------------------- preludes
+# What a page leaves to the reader on purpose, and nothing else.
+
+_DIGITS = """
+    from keras_dist.datasets import load_digits
+    (x_train, y_train), (x_test, y_test) = load_digits()
+"""
+_XY = (_DIGITS, "x, y = x_train, y_train")
+_BUILD_MODEL = """
+    import keras
+
+
+    def build_model():
+        model = keras.Sequential([keras.Input((64,)),
+                                  keras.layers.Dense(64, activation="relu"),
+                                  keras.layers.Dense(10, activation="softmax")])
+        model.compile("sgd", "sparse_categorical_crossentropy", metrics=["accuracy"])
+        return model
+"""
+# A cluster script's start: the strategy first (before TensorFlow runs
+# anything), then the reader's data, build function and a compiled AsyncModel.
+_CLUSTER_START = ("""
+    import keras_dist as kd
+
+    strategy = kd.resolve_strategy()
+    import keras
+    import tensorflow as tf
+""", *_XY, _BUILD_MODEL, """
+    with strategy.scope():
+        model = kd.AsyncModel.from_model(build_model())
+""")
+
+# The reader's `train.py` where a page runs one without showing it: the
+# digits script of docs/getting-started.md, with an `--epochs` flag.
+TRAIN_PY = '''
+    """The reader's train.py (tests/test_docs_examples.py)."""
+    from absl import app, flags
+
+    import keras_dist as kd
+
+    _EPOCHS = flags.DEFINE_integer("epochs", 2, "Passes over the training set.")
+
+
+    def main(argv):
+        strategy = kd.resolve_strategy()
+        import keras
+        from keras_dist.datasets import load_digits
+
+        def build_model():
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([keras.Input((64,)),
+                                      keras.layers.Dense(64, activation="relu"),
+                                      keras.layers.Dense(10, activation="softmax")])
+            model.compile(keras.optimizers.SGD(0.05, momentum=0.9),
+                          "sparse_categorical_crossentropy", metrics=["accuracy"])
+            return model
+
+        (x_train, y_train), (x_test, y_test) = load_digits()
+        history = kd.fit(build_model, x_train, y_train, strategy=strategy,
+                         epochs=_EPOCHS.value, batch_size=64, verbose=2)
+        print(kd.evaluate(history.model, x_test, y_test, return_dict=True, verbose=0))
+
+
+    if __name__ == "__main__":
+        app.run(main)
+'''
+
+PRELUDES = {
+    "README.md": (*_XY, """
+        import keras
+
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
+    """),
+    "docs/asynchronous-training.md": ("import keras_dist as kd", *_XY, _BUILD_MODEL),
+    "docs/choosing-a-strategy.md": ("import keras_dist as kd",),
+    "docs/fault-tolerance.md": ("import keras_dist as kd", *_XY, _BUILD_MODEL),
+    "docs/getting-started.md": (_DIGITS,),
+    "docs/index.md": ("import keras_dist as kd", *_XY, _BUILD_MODEL,
+                      "model = build_model()"),
+    "docs/staleness-aware-optimizers.md": (_DIGITS,),
+    "docs/stragglers.md": (*_XY, _BUILD_MODEL),
+}
+# One prelude per `cluster` block of the page, in order.
+CLUSTER_PRELUDES = {
+    "README.md": [("""
+        import keras_dist as kd
+        import keras
+        import tensorflow as tf
+    """, *_XY, _BUILD_MODEL)],
+    # Under parameter servers, the case that once failed ("next(iterator)
+    # should be called from outside of replica_fn").
+    "docs/getting-started.md": [("import keras_dist as kd", *_XY, _BUILD_MODEL)],
+    "docs/local-steps.md": [_CLUSTER_START],
+    "docs/sharded-variables.md": [("""
+        import numpy as np
+
+        rng = np.random.default_rng(0)
+        ids = rng.integers(0, 100_000, size=(2048, 4)).astype("int32")
+        clicks = (ids[:, 0] % 2).astype("float32")
+    """,)],
+}
+FILES = {
+    "docs/launching.md": {"train.py": TRAIN_PY},
+    "docs/stragglers.md": {"train.py": TRAIN_PY},
+}
+
+# ---------------------------------------------------------------- collection
+ALL, PROBLEMS = [], []   # PROBLEMS: marker errors, reported by test_markers_parse
+for _page in docblocks.PAGES:
+    try:
+        ALL.extend(docblocks.parse_page(_page))
+    except ValueError as error:
+        PROBLEMS.append(str(error))
+
+
+def _by_page(kind, predicate=lambda block: True):
+    pages = {}
+    for block in ALL:
+        if block.kind == kind and block.marker("skip") is None and predicate(block):
+            pages.setdefault(block.page, []).append(block)
+    return pages
+
+
+def _scripts():
+    """`file` and `cluster` blocks, each with the `continue` blocks after it."""
+    scripts, last = [], {}
+    for block in ALL:
+        if block.marker("skip") is not None:
+            continue
+        if block.marker("continue") is not None:
+            if block.page not in last:
+                PROBLEMS.append(f"{block.where}: `continue` needs a `file` or `cluster` "
+                                f"block before it on the page")
+            else:
+                last[block.page]["code"] += "\n\n" + block.code
+            continue
+        if block.marker("file") is not None or block.marker("cluster") is not None:
+            script = {"block": block, "code": block.code}
+            scripts.append(script)
+            last[block.page] = script
+        elif block.kind == "python":
+            last.pop(block.page, None)
+    return scripts
+
+
+SCRIPTS = _scripts()
+SESSIONS = _by_page("python", lambda b: not any(
+    b.marker(d) is not None for d in ("file", "cluster", "continue")))
+SHELLS = _by_page("shell")
+CLUSTERS = [s for s in SCRIPTS if s["block"].marker("cluster") is not None]
+
+
+def _cluster_prelude(block):
+    mine = [s["block"] for s in CLUSTERS if s["block"].page == block.page]
+    preludes = CLUSTER_PRELUDES.get(block.page, [()] * len(mine))
+    assert len(preludes) == len(mine), (
+        f"{block.page}: CLUSTER_PRELUDES has {len(preludes)} preludes for "
+        f"{len(mine)} cluster blocks")
+    return docblocks.prelude_code(*preludes[mine.index(block)])
+
+
+# ---------------------------------------------------------------- jobs
+# Each page's Python session, each cluster script and each page's shell
+# blocks is one job. The jobs of the selected tests start together, when the
+# first of those tests runs, two at a time (`KD_DOCS_TEST_JOBS`); each test
+# then waits for its own job's result.
+class _Workdirs:
+    """A fresh work directory per job: symlinks to the clone, plus the page's files."""
+
+    def __init__(self):
+        self.root = tempfile.mkdtemp(prefix="docs-test-")
+
+    def make(self, page, job):
+        path = os.path.join(self.root, re.sub(r"\W", "_", page) + "-" + job)
+        os.makedirs(path)
+        files = dict(FILES.get(page, {}))
+        for script in SCRIPTS:
+            block = script["block"]
+            if block.page == page and block.marker("file") is not None:
+                files[block.marker("file")] = script["code"]
+        for name in os.listdir(REPO):
+            if name not in (".git", *files):
+                os.symlink(os.path.join(REPO, name), os.path.join(path, name))
+        for name, code in files.items():
+            with open(os.path.join(path, name), "w") as f:
+                f.write(textwrap.dedent(code).lstrip())
+        return path
+
+
+def _env():
+    env = dict(os.environ)
+    for name in ("TF_CONFIG", "KERAS_DIST_STRATEGY", "KERAS_DIST_SLOW_WORKER",
+                 "KERAS_DIST_SLURM_JOBS", "PYTHONPATH"):
+        env.pop(name, None)
+    env["PATH"] = VENV_BIN + os.pathsep + env.get("PATH", "")
+    env["VIRTUAL_ENV"] = os.path.dirname(VENV_BIN)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _python_job(runner, workdirs, page):
+    cwd = workdirs.make(page, "python")
+    spec = {"prelude": docblocks.prelude_code(*PRELUDES.get(page, ())),
+            "blocks": [{"where": b.where, "code": b.code, "raises": b.marker("raises")}
+                       for b in SESSIONS[page]]}
+    spec_path = os.path.join(cwd, ".docs-test-session.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    return runner.run(
+        [PYTHON, os.path.join(REPO, "tests", "docblocks.py"), "session", spec_path],
+        cwd, _env(), SESSION_TIMEOUT)
+
+
+def _cluster_job(runner, workdirs, where):
+    script = next(s for s in CLUSTERS if s["block"].where == where)
+    block = script["block"]
+    cwd = workdirs.make(block.page, f"cluster{block.line}")
+    name = f"docs_test_{block.line}.py"
+    with open(os.path.join(cwd, name), "w") as f:
+        f.write(_cluster_prelude(block) + "\n" + script["code"])
+    argv = [PYTHON, "-m", "keras_dist.launch", *block.marker("cluster").split(),
+            "--", "python", name]
+    return runner.run(argv, cwd, _env(), CLUSTER_TIMEOUT)
+
+
+_SHELL_START = """\
+make() { command make --assume-old=.venv/.installed "$@"; }
+"""
+
+
+def _shell_sections(block):
+    """A `shells` block's `# shell N` sections, else the whole block."""
+    code = docblocks.shell_commands(block)
+    if block.marker("shells") is None:
+        return [code]
+    sections = [s for s in re.split(r"^# shell \d+\s*$", code, flags=re.MULTILINE)
+                if s.strip()]
+    assert len(sections) >= 2, f"{block.where}: `shells` needs `# shell N` sections"
+    return sections
+
+
+def _shell_job(runner, workdirs, page):
+    """Runs the page's shell blocks in order, up to the first that fails."""
+    cwd = workdirs.make(page, "shell")
+    results = []
+    for block in SHELLS[page]:
+        scripts = []
+        for i, section in enumerate(_shell_sections(block)):
+            path = os.path.join(cwd, f".docs-test-{block.line}-{i}.sh")
+            with open(path, "w") as f:
+                f.write(_SHELL_START + section)
+            scripts.append(path)
+        if len(scripts) == 1:
+            argv = ["bash", "-eo", "pipefail", scripts[0]]
+        else:  # the shells run side by side; each must succeed
+            argv = ["bash", "-c", "pids=(); " + " ".join(
+                f"bash -eo pipefail {s} > {s}.log 2>&1 & pids+=($!);" for s in scripts) +
+                " rc=0; for p in ${pids[@]}; do wait $p || rc=$?; done; exit $rc"]
+        result = runner.run(argv, cwd, _env(), SHELL_TIMEOUT)
+        if len(scripts) > 1:
+            logs = []
+            for i, path in enumerate(scripts):
+                with open(path + ".log", errors="replace") as f:
+                    logs.append(f"\n--- shell {i + 1}\n" + f.read())
+            result = result._replace(out=result.out + "".join(logs))
+        results.append((block, result))
+        if result.rc != 0:
+            break
+    return results
+
+
+@pytest.fixture(scope="module")
+def jobs(request):
+    """Starts the jobs of every selected test of this module; yields the Runner."""
+    prefix, reason = docblocks.sandbox_prefix()
+    if prefix is None:
+        print(f"[docs-test] running without namespaces: {reason}")
+    runner = docblocks.Runner(prefix, workers=int(os.environ.get("KD_DOCS_TEST_JOBS", "2")))
+    workdirs = _Workdirs()
+    wanted = {"test_shell_blocks": (0, _shell_job), "test_cluster_block": (1, _cluster_job),
+              "test_python_blocks": (2, _python_job)}
+    selected = []
+    for item in request.session.items:
+        if item.module is sys.modules[__name__] and item.originalname in wanted:
+            order, job = wanted[item.originalname]
+            key = item.callspec.params["key"]
+            selected.append((order, key, job))
+    for _, key, job in sorted(selected, key=lambda t: t[0]):  # long jobs first
+        runner.submit((job.__name__, key), job, workdirs, key)
+    yield runner
+    runner.close()
+    shutil.rmtree(workdirs.root, ignore_errors=True)
+
+
+def _report(where, what, result):
+    print(f"[docs-test] {where}: {what}, exit {result.rc} in {result.seconds:.1f} s "
+          f"({result.cpu:.1f} CPU-s)")
+
+
+def _tail(text, n=6000):
+    return text if len(text) <= n else "...\n" + text[-n:]
+
+
+def _check_expect(block, output):
+    for text in block.markers_of("expect"):
+        assert text in output, (f"{block.where}: the docs promise {text!r} in the "
+                                f"output; it is not there:\n{_tail(output)}")
+
+
+# ---------------------------------------------------------------- inventory
+def test_markers_parse():
+    assert not PROBLEMS, "\n".join(PROBLEMS)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("<!-- docs-test: skip -->\n```bash\nls\n```\n", "needs an argument"),
+    ("<!-- docs-test: skip:  -->\n```bash\nls\n```\n", "needs an argument"),
+    ("<!-- docs-test: sikp: typo -->\n```bash\nls\n```\n", "unknown docs-test marker"),
+    ("<!-- docs-test: continue now -->\n```python\n1\n```\n", "takes no argument"),
+    ("<!-- docs-test: shells -->\n\nSome prose.\n```bash\nls\n```\n", "directly followed"),
+    ("```python\n1\n", "never closed"),
+])
+def test_bad_markers_are_errors(text, message):
+    with pytest.raises(ValueError, match=message):
+        docblocks.parse_page("page.md", text)
+
+
+def test_parser_reads_markers_indented_blocks_and_console():
+    blocks = docblocks.parse_page("page.md", (
+        "Text.\n\n<!-- docs-test: cluster --workers 2 --ps 1 -->\n"
+        "<!-- docs-test: expect done -->\n```python\nprint('done')\n```\n\n"
+        "1. A list:\n\n    ```Bash\n    ls\n      cat x\n    ```\n\n"
+        "```console\n$ echo hi\nhi\n```\n```\nplain\n```\n"))
+    assert [(b.kind, b.line) for b in blocks] == [
+        ("python", 5), ("shell", 11), ("shell", 16), ("text", 20)]
+    assert blocks[0].markers == [("cluster", "--workers 2 --ps 1"), ("expect", "done")]
+    assert blocks[1].code == "ls\n  cat x\n"
+    assert docblocks.shell_commands(blocks[2]) == "echo hi\n"
+    assert blocks[3].markers == []
+
+
+def test_every_block_has_a_known_kind():
+    unknown = [f"{b.where} ```{b.lang}" for b in ALL if b.kind is None]
+    assert not unknown, ("fenced blocks in a language this test does not know how to "
+                         "run or check (add it to docblocks.LANGUAGES): " + ", ".join(unknown))
+
+
+def test_markers_fit_their_blocks():
+    problems = []
+    for b in ALL:
+        directives = [name for name, _ in b.markers]
+        if "skip" in directives and len(directives) > 1:
+            problems.append(f"{b.where}: `skip` with other markers {directives}")
+        for name in ("file", "cluster", "raises", "continue"):
+            if name in directives and b.kind != "python":
+                problems.append(f"{b.where}: `{name}` on a ```{b.lang} block")
+        if "shells" in directives and b.kind != "shell":
+            problems.append(f"{b.where}: `shells` on a ```{b.lang} block")
+        if "expect" in directives and not (b.kind == "shell" or "cluster" in directives):
+            problems.append(f"{b.where}: `expect` needs a shell or `cluster` block")
+        if b.kind == "text" and directives:
+            problems.append(f"{b.where}: markers on a text block (it never runs)")
+    assert not problems, "\n".join(problems)
+
+
+def test_skips_are_few_and_explained():
+    skips = [(b.page, b.where, b.marker("skip")) for b in ALL if b.marker("skip") is not None]
+    code = [b for b in ALL if b.kind in ("python", "shell")]
+    lines = [f"{len(skips)} of {len(code)} code blocks skipped:"]
+    for page in sorted({page for page, _, _ in skips}):
+        mine = [(where, reason) for p, where, reason in skips if p == page]
+        lines.append(f"  {page}: {len(mine)}")
+        lines.extend(f"    {where}: {reason}" for where, reason in mine)
+    print("\n".join(lines))
+    assert all(len(reason.split()) >= 3 for _, _, reason in skips), (
+        "every skip needs a reason of a few words:\n" + "\n".join(lines))
+    assert len(skips) <= len(code) // 4, "more than a quarter of the blocks skipped:\n" + (
+        "\n".join(lines))
+
+
+# ---------------------------------------------------------------- data blocks
+@pytest.mark.parametrize("block", [b for b in ALL if b.kind in ("json", "yaml")
+                                   and b.marker("skip") is None],
+                         ids=lambda b: b.where)
+def test_data_block_parses(block):
+    if block.kind == "json":
+        json.loads(block.code)
+    else:
+        import yaml
+
+        documents = [d for d in yaml.safe_load_all(block.code) if d is not None]
+        assert documents, f"{block.where}: an empty YAML block"
+
+
+# ---------------------------------------------------------------- python
+@pytest.mark.multiprocess
+@pytest.mark.timeout(JOB_WAIT)
+@pytest.mark.parametrize("key", sorted(SESSIONS))
+def test_python_blocks(key, jobs):
+    result = jobs.result(("_python_job", key))
+    _report(key, "Python blocks", result)
+    assert result.rc == 0, f"{key}: a Python block failed (exit {result.rc}):\n{_tail(result.out)}"
+    for b in SESSIONS[key]:
+        assert f"[docs-test] ok {b.where}" in result.out or (
+            f"[docs-test] {b.where} raised" in result.out), (
+            f"{b.where} did not run:\n{_tail(result.out)}")
+
+
+# ---------------------------------------------------------------- cluster
+@pytest.mark.multiprocess
+@pytest.mark.timeout(JOB_WAIT)
+@pytest.mark.parametrize("key", [s["block"].where for s in CLUSTERS])
+def test_cluster_block(key, jobs):
+    result = jobs.result(("_cluster_job", key))
+    _report(key, "cluster", result)
+    assert result.rc == 0, f"{key}: the cluster run failed (exit {result.rc}):\n{_tail(result.out)}"
+    _check_expect(next(s["block"] for s in CLUSTERS if s["block"].where == key), result.out)
+
+
+# ---------------------------------------------------------------- shell
+@pytest.mark.multiprocess
+@pytest.mark.timeout(JOB_WAIT)
+@pytest.mark.parametrize("key", sorted(SHELLS))
+def test_shell_blocks(key, jobs):
+    for block, result in jobs.result(("_shell_job", key)):
+        _report(block.where, "shell", result)
+        assert result.rc == 0, (f"{block.where}: the shell block failed "
+                                f"(exit {result.rc}):\n{_tail(result.out)}")
+        _check_expect(block, result.out)
