@@ -10,6 +10,52 @@ from keras_dist.cluster import ClusterConfig
 from keras_dist.serving import serve
 
 
+def _functional_arguments(args, kwargs):
+    """Whether a model is being built functionally, by Keras' own rule."""
+    return (len(args) == 2 or (len(args) == 1 and "outputs" in kwargs)
+            or ("inputs" in kwargs and "outputs" in kwargs))
+
+
+_FUNCTIONAL = []
+_VARIANTS = {}
+
+
+def _functional_class():
+    """Keras' `Functional` class, which Keras does not export: the class of
+    what `keras.Model(inputs, outputs)` returns (made once, no variables)."""
+    if not _FUNCTIONAL:
+        inputs = keras.Input((1,))
+        _FUNCTIONAL.append(type(keras.Model(inputs, inputs)))
+    return _FUNCTIONAL[0]
+
+
+def _functional_variant(cls):
+    """`cls` with Keras' Functional as a further base (made once per class).
+
+    Keras builds a `keras.Model` subclass called with `(inputs, outputs)` by
+    rewriting the class's bases to Functional, for good: a subclass of
+    `AsyncModel` written with layers in `__init__` and `call` then fails (its
+    instances are Functional without inputs). An `AsyncModel` built
+    functionally is an instance of this variant instead, and `AsyncModel`
+    itself stays as defined. The variant keeps `cls`'s name and, when `cls`
+    is registered for Keras serialization, its registered name.
+    """
+    functional = _functional_class()
+    if issubclass(cls, functional):
+        return cls
+    if cls not in _VARIANTS:
+        variant = type(cls.__name__, (cls, functional),
+                       {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        registered = keras.saving.get_registered_name(cls)
+        if registered != cls.__name__:
+            # Saved under `cls`'s registered name; loading it (a functional
+            # config) builds this variant again.
+            package, _, name = registered.rpartition(">")
+            keras.saving.register_keras_serializable(package=package, name=name)(variant)
+        _VARIANTS[cls] = variant
+    return _VARIANTS[cls]
+
+
 def serve_if_serving_task(cluster=None):
     """On a worker / ps task of a parameter-server cluster: serve forever."""
     cluster = cluster or ClusterConfig.from_env()
@@ -54,6 +100,25 @@ class AsyncModel(keras.Model):
     >>> isinstance(model, keras.Model)
     True
     """
+
+    def __new__(cls, *args, **kwargs):
+        # Functional arguments: an instance of a subclass that is also Keras'
+        # Functional, so Keras need not rewrite this class (see `_functional`).
+        if _functional_arguments(args, kwargs):
+            cls = _functional_variant(cls)
+        return super().__new__(cls, *args, **kwargs)
+
+    def __init__(self, *args, **kwargs):
+        if not _functional_arguments(args, kwargs):
+            super().__init__(*args, **kwargs)
+            return
+        functional = _functional_class()
+        if not isinstance(self, functional):  # a subclass passing inputs/outputs up
+            self.__class__ = _functional_variant(type(self))
+        # What keras.Model.__init__ does for functional arguments, minus its
+        # rewrite of this class's bases: the trainer's set-up, then Functional's.
+        super(keras.Model, self).__init__()
+        functional.__init__(self, *args, **kwargs)
 
     nonfinite_updates = "skip"
     """What keras_dist's loops do with an update whose gradients contain
