@@ -22,10 +22,11 @@ _VARIANTS = {}
 
 def _functional_class():
     """Keras' `Functional` class, which Keras does not export: the class of
-    what `keras.Model(inputs, outputs)` returns (made once, no variables)."""
+    what `keras.Model(inputs, outputs)` returns (made once, no variables; Keras 3.10
+    refuses a model whose outputs are its inputs, hence the Identity)."""
     if not _FUNCTIONAL:
         inputs = keras.Input((1,))
-        _FUNCTIONAL.append(type(keras.Model(inputs, inputs)))
+        _FUNCTIONAL.append(type(keras.Model(inputs, keras.layers.Identity()(inputs))))
     return _FUNCTIONAL[0]
 
 
