@@ -249,21 +249,22 @@ class ClusterConfig:
     def from_slurm(cls, jobs=None, port_base=8888, environ=None):
         """Reads the cluster of the current SLURM job step.
 
-        Uses TensorFlow's public `tf.distribute.cluster_resolver.
-        SlurmClusterResolver` (which reads `SLURM_PROCID`,
-        `SLURM_STEP_NUM_TASKS`, `SLURM_STEP_NODELIST` and
-        `SLURM_STEP_TASKS_PER_NODE`), then validates the result like any other
-        cluster. It never sets `CUDA_VISIBLE_DEVICES`.
+        Reads `SLURM_PROCID`, `SLURM_STEP_NUM_TASKS`, `SLURM_STEP_NODELIST`
+        and `SLURM_STEP_TASKS_PER_NODE` from `environ` (nothing else, and it
+        never writes the process environment), then validates the result like
+        any other cluster. It never sets `CUDA_VISIBLE_DEVICES`.
 
-        Ranks go to roles the way TensorFlow's resolver hands them out: the
-        roles in alphabetical order of their names (`chief`, `evaluator`,
-        `ps`, `worker`), each taking the next `count` ranks, whatever the
-        order of `jobs`. So `{"chief": 1, "worker": 2, "ps": 1}` makes rank 0
-        the chief, rank 1 ps 0, and ranks 2 and 3 workers 0 and 1. Rank `r`'s
-        address is the `r`-th slot of the step's nodes sorted by name (ports
-        from `port_base` up on each node), which is the node `srun` runs it on
-        with `--distribution=block` and node names that sort as text in
-        node order (`node[01-10]`, not `node[1-10]`).
+        Ranks go to roles the way TensorFlow's `SlurmClusterResolver` hands
+        them out: the roles in alphabetical order of their names (`chief`,
+        `evaluator`, `ps`, `worker`), each taking the next `count` ranks,
+        whatever the order of `jobs`. So `{"chief": 1, "worker": 2, "ps": 1}`
+        makes rank 0 the chief, rank 1 ps 0, and ranks 2 and 3 workers 0 and
+        1. Rank `r`'s address is where `srun` runs it with its default block
+        distribution: ranks fill the step's nodes in `SLURM_STEP_NODELIST`
+        order, each node taking its count from `SLURM_STEP_TASKS_PER_NODE`,
+        with ports from `port_base` up on each node. (TensorFlow's resolver
+        sorts the node names as text instead, which gives rank 1 of
+        `node[1-10]` node10's address.)
 
         This method reads only its arguments and the four SLURM variables, not
         `KERAS_DIST_SLURM_JOBS` (`SLURM_JOBS_ENV`): `from_env()` reads that
@@ -334,24 +335,23 @@ class ClusterConfig:
                 f"SLURM_PROCID={rank} is out of range for a step of "
                 f"SLURM_STEP_NUM_TASKS={num_tasks} tasks (0..{num_tasks - 1})."
             )
-        import tensorflow as tf
+        from keras_dist import _slurm
 
-        resolver_cls = tf.distribute.cluster_resolver.SlurmClusterResolver
-        with _patched_environ(env, needed):
-            # GPU counts are given so the resolver never runs `nvidia-smi`
-            # (missing on CPU nodes) and never drops tasks: it places at most
-            # gpus_per_node // gpus_per_task tasks per node, GPUs or not.
-            resolver = resolver_cls(
-                jobs=jobs, port_base=port_base, gpus_per_node=num_tasks,
-                gpus_per_task=1, auto_set_gpu=False
-            )
-            spec = resolver.cluster_spec().as_dict()
-        return cls(
-            cluster={role: list(addrs) for role, addrs in spec.items()},
-            task_type=resolver.task_type,
-            task_index=int(resolver.task_id),
-            source="SLURM",
-        )
+        addresses = _slurm.rank_addresses(
+            env["SLURM_STEP_NODELIST"], env["SLURM_STEP_TASKS_PER_NODE"], port_base)
+        if len(addresses) != num_tasks:
+            raise ValueError(
+                f"SLURM_STEP_TASKS_PER_NODE={env['SLURM_STEP_TASKS_PER_NODE']!r} "
+                f"adds up to {len(addresses)} tasks but SLURM_STEP_NUM_TASKS="
+                f"{num_tasks}. They must describe the same step.")
+        cluster, task = {}, None
+        for role, ranks in _slurm.role_ranks(jobs).items():
+            if len(ranks):
+                cluster[role] = [addresses[r] for r in ranks]
+            if rank in ranks:
+                task = (role, rank - ranks.start)
+        return cls(cluster=cluster, task_type=task[0], task_index=task[1],
+                   source="SLURM")
 
     @classmethod
     def from_env(cls, environ=None):
@@ -648,28 +648,3 @@ def _check_address(address, field):
             f"{field}={address!r} has an invalid port {port!r}: it must be an "
             "integer from 1 to 65535."
         )
-
-
-class _patched_environ:
-    """Lets TF's SLURM resolver (which reads `os.environ`) see `env`.
-
-    Only used when the caller passed its own mapping; restores every variable
-    on exit so no process state changes.
-    """
-
-    def __init__(self, env, names):
-        self._env, self._names, self._saved = env, names, {}
-
-    def __enter__(self):
-        if self._env is os.environ:
-            return
-        for name in self._names:
-            self._saved[name] = os.environ.get(name)
-            os.environ[name] = str(self._env[name])
-
-    def __exit__(self, *exc):
-        for name, value in self._saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value

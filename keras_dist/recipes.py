@@ -175,10 +175,10 @@ def slurm(command, *, workers, ps=0, evaluator=False, name="keras-dist",
     (asynchronous training; the chief leads), plus an evaluator if asked;
     without `ps`, worker 0 leads. The script exports
     `KERAS_DIST_SLURM_JOBS` with that layout (e.g. `chief:1,worker:2,ps:1`),
-    and each task reads its role with `ClusterConfig.from_env` (through
-    TensorFlow's `SlurmClusterResolver`). TensorFlow hands out the ranks by
-    role in alphabetical order of the role names, `chief`, `evaluator`,
-    `ps`, `worker`: with `ps=1, workers=2`, rank 0 is the chief, rank 1 ps
+    and each task reads its role with `ClusterConfig.from_env`. Ranks go
+    to roles as in TensorFlow's `SlurmClusterResolver`, by role in
+    alphabetical order of the role names, `chief`, `evaluator`, `ps`,
+    `worker`: with `ps=1, workers=2`, rank 0 is the chief, rank 1 ps
     0, ranks 2 and 3 workers 0 and 1. Ports start at 8888 on each node. The
     script unsets `TF_CONFIG` (keras-dist would read it before SLURM) and
     sets what the launcher sets for each task.
@@ -563,7 +563,7 @@ def _slurm(command, workers, ps, evaluator, name, time, partition, tasks_per_nod
 
 
 def _slurm_ranks(counts):
-    """Which ranks TensorFlow's `SlurmClusterResolver` gives each role.
+    """Which ranks each role gets (`ClusterConfig.from_slurm`'s order).
 
     It takes the roles in `sorted()` order of their names and gives each the
     next `count` ranks, e.g. `rank 0 is the chief, ranks 1-2 are workers 0-1`.

@@ -98,7 +98,7 @@ def faults_from_env(environ=None):
     if slowed and environ is None:
         logging.getLogger("keras_dist").info(
             "keras_dist: %s=%s: slowing %s (fault injection for tests and demos)",
-            SLOW_WORKER_ENV, os.environ[SLOW_WORKER_ENV].strip(),
+            SLOW_WORKER_ENV, _setting(None).strip(),
             ", ".join(f"worker {i} x{f:g}" for i, f in sorted(slowed.items())))
     return FaultInjection(slowed)
 
@@ -120,8 +120,7 @@ def slow_workers_from_env(environ=None):
     >>> slow_workers_from_env({})
     {}
     """
-    environ = os.environ if environ is None else environ
-    text = environ.get(SLOW_WORKER_ENV, "").strip()
+    text = _setting(environ).strip()
     if not text:
         return {}
     slowed = {}
@@ -146,33 +145,44 @@ def slow_workers_from_env(environ=None):
 def slow_worker(index, factor):
     """Makes worker (or replica) `index` `factor` times slower inside the block.
 
-    Sets `KERAS_DIST_SLOW_WORKER` for the block (adding to what is already
-    there) and restores it afterwards. Training functions traced inside the
-    block carry the slowdown.
+    Adds to what `KERAS_DIST_SLOW_WORKER` says, for this process only:
+    `slow_workers_from_env()` sees it inside the block, and training
+    functions traced inside the block carry the slowdown. It does not write
+    the process environment (`setenv` while TensorFlow threads read it can
+    crash the process), so child processes do not inherit it: set
+    `KERAS_DIST_SLOW_WORKER` in their environment instead.
 
     Example:
 
     >>> import os
     >>> from keras_dist.testing import slow_worker, slow_workers_from_env
     >>> with slow_worker(1, 3):
-    ...     slow_workers_from_env()
-    {1: 3.0}
-    >>> "KERAS_DIST_SLOW_WORKER" in os.environ
-    False
+    ...     slow_workers_from_env(), "KERAS_DIST_SLOW_WORKER" in os.environ
+    ({1: 3.0}, False)
+    >>> slow_workers_from_env()
+    {}
     """
-    previous = os.environ.get(SLOW_WORKER_ENV)
     slowed = slow_workers_from_env()
     slowed[int(index)] = float(factor)
     text = ",".join(f"{i}:{f:g}" for i, f in sorted(slowed.items()))
     slow_workers_from_env({SLOW_WORKER_ENV: text})  # validates index and factor
-    os.environ[SLOW_WORKER_ENV] = text
+    _in_process_slowdowns.append(text)
     try:
         yield
     finally:
-        if previous is None:
-            os.environ.pop(SLOW_WORKER_ENV, None)
-        else:
-            os.environ[SLOW_WORKER_ENV] = previous
+        _in_process_slowdowns.remove(text)
+
+
+# What `slow_worker` blocks add, innermost last (read by slow_workers_from_env).
+_in_process_slowdowns = []
+
+
+def _setting(environ):
+    """The slow-worker setting: `environ`'s, else the innermost `slow_worker`
+    block's (which names them all), else the process environment's."""
+    if environ is None and _in_process_slowdowns:
+        return _in_process_slowdowns[-1]
+    return (os.environ if environ is None else environ).get(SLOW_WORKER_ENV, "")
 
 
 def sleep(seconds, after=None):

@@ -8,11 +8,16 @@ import json
 import os
 import re
 import socket
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import tensorflow as tf
 
 from keras_dist import ClusterConfig
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PS_CLUSTER = {
     "chief": ["10.0.0.1:2222"],
@@ -136,6 +141,62 @@ def test_from_slurm_leaves_process_environment_unchanged(monkeypatch):
     before = dict(os.environ)
     ClusterConfig.from_slurm(environ=_slurm_env(procid=0))
     assert dict(os.environ) == before
+
+
+def test_reading_slurm_never_writes_the_process_environment():
+    # setenv while TensorFlow threads call getenv can crash the process (CI
+    # saw it), so reading a caller's mapping must not write os.environ even
+    # for a moment. Python audits every putenv/unsetenv; a subprocess keeps
+    # the audit hook out of this one.
+    code = textwrap.dedent("""
+        import sys
+        from keras_dist import ClusterConfig
+        ClusterConfig.from_env({})  # loads what the first call loads
+        writes = []
+        sys.addaudithook(lambda event, args: event in ("os.putenv", "os.unsetenv")
+                         and writes.append((event, args[0])))
+        env = {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "4",
+               "SLURM_STEP_NODELIST": "node[1-4]", "SLURM_STEP_TASKS_PER_NODE": "1(x4)",
+               "KERAS_DIST_SLURM_JOBS": "chief:1,ps:1,worker:2"}
+        config = ClusterConfig.from_env(env)
+        assert (config.task_type, config.address) == ("ps", "node2:8888"), config
+        ClusterConfig.from_slurm(environ=env)
+        print(writes)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": _ROOT})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("nodelist, tasks_per_node, addresses", [
+    ("node[1-10]", "1(x10)", [f"node{i}:8888" for i in range(1, 11)]),
+    ("node[08-10]", "2,1(x2)", ["node08:8888", "node08:8889", "node09:8888", "node10:8888"]),
+    ("b[2,1],a", "1(x3)", ["b2:8888", "b1:8888", "a:8888"]),
+    ("gpu[1-2]-ib,login", "2(x2),1", ["gpu1-ib:8888", "gpu1-ib:8889", "gpu2-ib:8888",
+                                      "gpu2-ib:8889", "login:8888"]),
+], ids=["ten-nodes", "padded", "slurm-order", "suffix"])
+def test_from_slurm_places_ranks_in_slurm_node_order(nodelist, tasks_per_node, addresses):
+    env = {"SLURM_STEP_NUM_TASKS": str(len(addresses)), "SLURM_STEP_NODELIST": nodelist,
+           "SLURM_STEP_TASKS_PER_NODE": tasks_per_node}
+    got = [ClusterConfig.from_slurm(environ={**env, "SLURM_PROCID": str(rank)}).address
+           for rank in range(len(addresses))]
+    assert got == addresses
+
+
+@pytest.mark.parametrize("nodelist, tasks_per_node, match", [
+    ("node[1-3", "1(x3)", "SLURM_STEP_NODELIST='node\\[1-3' has unbalanced brackets"),
+    ("node[a-c]", "1(x3)", "bad range 'a-c'"),
+    ("node[3-1]", "1(x3)", "descending range '3-1'"),
+    ("node[1-2],node2", "1(x3)", "names a node twice"),
+    ("node[1-2]x[1-2]", "1(x4)", "cannot read 'node\\[1-2\\]x\\[1-2\\]'"),
+    ("node[1-3]", "1(3)", "SLURM_STEP_TASKS_PER_NODE='1\\(3\\)' is not a SLURM tasks-per-node"),
+    ("node[1-2]", "1(x3)", "names 2 node\\(s\\) but SLURM_STEP_TASKS_PER_NODE='1\\(x3\\)'"),
+    ("node[1-3]", "2(x3)", "adds up to 6 tasks but SLURM_STEP_NUM_TASKS=3"),
+])
+def test_from_slurm_rejects_malformed_node_lists(nodelist, tasks_per_node, match):
+    with pytest.raises(ValueError, match=match):
+        ClusterConfig.from_slurm(environ=_slurm_env(0, 3, nodelist, tasks_per_node))
 
 
 # --------------------------------------------------------------------- roles

@@ -426,10 +426,8 @@ def test_slurm_jobs_variable_name_is_the_clusters():
     assert recipes.SLURM_JOBS_ENV == cluster.SLURM_JOBS_ENV == "KERAS_DIST_SLURM_JOBS"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "TensorFlow's SlurmClusterResolver sorts host names as strings, so with "
-    "node[1-10] rank 1 (on node2) is given node10's address; "
-    "ClusterConfig.from_slurm inherits this. Remove this mark once fixed."))
+# TensorFlow's SlurmClusterResolver sorts host names as text (rank 1 of
+# node[1-10] got node10's address); from_slurm keeps SLURM's node order.
 def test_slurm_addresses_follow_srun_placement_on_ten_nodes(tmp_path):
     script = recipes.slurm(COMMAND, workers=10)
     _, exported = _run_with_fake_srun(script, tmp_path)
