@@ -109,6 +109,9 @@ class Executor:
     def end_training(self):
         pass
 
+    def release(self):
+        """Frees what training held (threads, probes), however it ended."""
+
 
 def resolve_verbose(verbose, parameter_server, is_chief=True):
     """Keras' rule: "auto" is 1, or 2 under parameter servers (one line per
@@ -205,6 +208,8 @@ def fit(executor, x=None, y=None, *, batch_size=None, epochs=1,
     except tf.errors.OpError as error:
         update.raise_if_nonfinite(error, epoch)  # keras_dist's own error, not TF's
         raise
+    finally:
+        executor.release()
     if isinstance(model.optimizer, keras.optimizers.Optimizer) and epochs > 0:
         model.optimizer.finalize_variable_values(model.trainable_weights)
     callbacks.on_train_end(logs=training_logs)

@@ -5,14 +5,16 @@ Both executors measure, on the replica or worker that ran an execution of
 one float64 vector (one tensor: a single copy to the chief):
 
     [state..., logs..., worker, seconds, examples, loss_sum, loss_count, skipped,
-     tau_1 ... tau_k]
+     waited, stalled, tau_1 ... tau_k]
 
 `logs` are the execution's metric results (asynchronous training only; the
 synchronous executor reduces its logs the Keras way). `loss_sum` and
 `loss_count` are this execution's additions to Keras' loss tracker (the
 "loss" metric), so the execution's mean loss is their ratio. The taus are
 the staleness of each update (asynchronous only; none in synchronous
-training).
+training). `waited` is the time a synchronous replica spent at the
+all-reduce waiting for the others, and `stalled` the time its process
+could not run (`keras_dist.stall`); both NaN in asynchronous training.
 """
 
 import dataclasses
@@ -24,7 +26,8 @@ import tensorflow as tf
 
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 
-FIELDS = ("worker", "seconds", "examples", "loss_sum", "loss_count", "skipped")
+FIELDS = ("worker", "seconds", "examples", "loss_sum", "loss_count", "skipped", "waited",
+          "stalled")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +46,11 @@ class StepReport:
         logs: Dict of the execution's metric results (asynchronous only).
         state: Float64 array. What the execution added to the metrics'
             variables, flattened (asynchronous only; empty otherwise).
+        waited: Float. Seconds this replica waited at the gradient
+            all-reduce for the others to arrive, summed over the execution's
+            steps (synchronous only; NaN otherwise).
+        stalled: Float. Seconds this replica's process could not run since
+            the previous execution (synchronous only; NaN otherwise).
     """
 
     worker: int
@@ -53,10 +61,12 @@ class StepReport:
     skipped: int = 0
     logs: Dict[str, float] = dataclasses.field(default_factory=dict)
     state: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
+    waited: float = math.nan
+    stalled: float = math.nan
 
 
 def pack(worker, seconds, examples, loss_sum, loss_count, taus=(), logs=None, names=(),
-         state=(), skipped=0):
+         state=(), skipped=0, waited=math.nan, stalled=math.nan):
     """The float64 vector of one execution (in a traced function).
 
     Args:
@@ -66,11 +76,14 @@ def pack(worker, seconds, examples, loss_sum, loss_count, taus=(), logs=None, na
         names: Sequence of the `logs` keys to pack.
         state: Sequence of tensors of any shape, flattened in front.
         skipped: Scalar tensor (or 0): updates skipped as non-finite.
+        waited: Scalar tensor (or NaN): seconds waited at the all-reduce.
+        stalled: Scalar tensor (or NaN): seconds the process could not run.
     """
     head = [tf.cast(tf.reshape(t, [-1]), tf.float64) for t in state]
     head += [tf.reshape(tf.cast(logs[n], tf.float64), [1]) for n in names]
     fields = [tf.cast(v, tf.float64)
-              for v in (worker, seconds, examples, loss_sum, loss_count, skipped)]
+              for v in (worker, seconds, examples, loss_sum, loss_count, skipped, waited,
+                        stalled)]
     tail = [tf.cast(t, tf.float64) for t in taus]
     return tf.concat(head + [tf.stack(fields + tail)], axis=0)
 
@@ -80,13 +93,15 @@ def unpack(vector, names: Sequence[str] = (), state_size: int = 0) -> StepReport
     values = vector.numpy() if hasattr(vector, "numpy") else np.asarray(vector)
     state, values = values[:state_size], values[state_size:]
     n = len(names)
-    worker, seconds, examples, loss_sum, loss_count, skipped = values[n:n + len(FIELDS)]
+    worker, seconds, examples, loss_sum, loss_count, skipped, waited, stalled = \
+        values[n:n + len(FIELDS)]
     taus = tuple(int(t) for t in values[n + len(FIELDS):])
     return StepReport(
         worker=int(worker), seconds=float(seconds),
         examples=None if np.isnan(examples) else int(examples),
         loss=float(loss_sum / loss_count) if loss_count > 0 else math.nan,
-        staleness=taus, skipped=int(skipped),
+        staleness=taus, skipped=int(skipped), waited=float(waited),
+        stalled=float(stalled),
         logs={name: float(v) for name, v in zip(names, values[:n])},
         state=state)
 

@@ -22,6 +22,8 @@ and its loss, reported through `keras_dist.step_report`.
 """
 
 import contextlib
+import dataclasses
+import math
 
 import numpy as np
 import tensorflow as tf
@@ -30,6 +32,7 @@ from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks
 from keras_dist._runtime import quiet_tf_logger
 from keras_dist import data as data_lib
 from keras_dist import driver
+from keras_dist import stall
 from keras_dist import step_report
 from keras_dist import update
 from keras_dist.callbacks import base as replica_cbs
@@ -93,10 +96,15 @@ class SyncExecutor(driver.Executor):
                                          instrument=instrument, train=True)
         self._iterator = iter(train_input.dataset) if train_input.repeats else None
 
+    def release(self):
+        if self._train_fns is not None:
+            self._train_fns.close()
+
     def train_epoch(self, train_input):
         if not train_input.repeats:
             self._iterator = iter(train_input.dataset)
         self.ran_out = False
+        self._train_fns.restart_stall_count()
         for event in self._train_fns.steps(self._iterator, train_input.steps):
             yield event
         self.ran_out = self._train_fns.ran_out and train_input.repeats
@@ -127,7 +135,8 @@ class SyncExecutor(driver.Executor):
         `instrument`, also this replica's packed `step_report`."""
         model = self.model
         examples = step_report.batch_examples(data)
-        hook = update.global_gradient_apply(model.optimizer, examples, self.policy)
+        synced = [] if instrument else None
+        hook = update.global_gradient_apply(model.optimizer, examples, self.policy, synced)
         if not instrument:
             with update.apply_hook(hook):
                 return model.train_step(data)
@@ -159,8 +168,12 @@ class SyncExecutor(driver.Executor):
         with tf.control_dependencies(tf.nest.flatten(logs)):
             end = marks[-1] if marks else tf.timestamp()
             total, count = step_report.loss_state(model)
+        # Waiting at the first all-reduce: from this replica's arrival (its
+        # gradients ready, after any injected slowdown) to the others'.
+        waited = synced[-1] - end if synced and marks else tf.constant(0.0, tf.float64)
         return logs, step_report.pack(replica, end - start, examples,
-                                      total - total_before, count - count_before)
+                                      total - total_before, count - count_before,
+                                      waited=waited, stalled=0.0)
 
 
 class _StepFunctions:
@@ -170,8 +183,15 @@ class _StepFunctions:
         self.model, self._strategy, self._step = model, strategy, step
         self._functions = {}
         self._instrument = instrument
+        self._probe = stall.StallProbe.acquire() if instrument else None
+        self._stalled = self._probe.stalled() if instrument else 0.0
         self._train = train
         self.ran_out = False
+
+    def close(self):
+        """Lets the stall probe go (see `keras_dist.stall`)."""
+        if self._probe is not None:
+            self._probe, _ = None, stall.StallProbe.release()
 
     def _replica_fn(self):
         if not self._train:
@@ -182,7 +202,7 @@ class _StepFunctions:
         if k not in self._functions:
             strategy, replica_fn = self._strategy, self._replica_fn()
 
-            def run(iterator):
+            def run(iterator, stalled=None):
                 records = []
                 for _ in range(k):  # unrolled: k is small and fixed per function
                     outputs = strategy.run(replica_fn, args=(next(iterator),))
@@ -193,9 +213,15 @@ class _StepFunctions:
                     lambda v: strategy.reduce("MEAN", v, axis=None), outputs)
                 if not records:
                     return logs
-                # One row per replica of every worker: [k steps x fields].
-                per_replica = strategy.run(lambda *r: tf.expand_dims(tf.stack(r), 0),
-                                           args=tuple(records))
+                # One row per replica of every worker: [k steps x fields], and
+                # a row with the time this worker's process stalled since the
+                # last execution (`keras_dist.stall`; per process, not replica).
+                def rows(stalled, *records):
+                    extra = stalled * tf.one_hot(step_report.FIELDS.index("stalled"),
+                                                 records[0].shape[0], dtype=tf.float64)
+                    return tf.expand_dims(tf.stack(list(records) + [extra]), 0)
+
+                per_replica = strategy.run(rows, args=(stalled, *records))
                 return logs, strategy.gather(per_replica, axis=0)
 
             self._functions[k] = (
@@ -209,11 +235,30 @@ class _StepFunctions:
         with update.intercept_apply(optimizer), (
                 update.clipping_for_replicas(optimizer, replicas) if optimizer is not None
                 else contextlib.nullcontext()):
-            result = self._function(k)(iterator)
+            if self._instrument:
+                tracing = k not in self._functions
+                stalled, self._stalled = self._stalled, self._probe.stalled()
+                result = self._function(k)(
+                    iterator, tf.constant(self._stalled - stalled, tf.float64))
+            else:
+                result = self._function(k)(iterator)
         if not self._instrument:
             return result, None
         result, rows = result
-        return result, [_combine(row) for row in np.asarray(rows)]
+        reports = [_combine(row) for row in np.asarray(rows)]
+        if tracing:
+            # Tracing holds the interpreter (the probe counts it as stalled)
+            # and ends at different times on each worker: these timings say
+            # nothing about the workers.
+            self._stalled = self._probe.stalled()
+            reports = [dataclasses.replace(r, waited=math.nan, stalled=math.nan)
+                       for r in reports]
+        return result, reports
+
+    def restart_stall_count(self):
+        """Stalls between epochs (evaluation, callbacks) are nobody's."""
+        if self._probe is not None:
+            self._stalled = self._probe.stalled()
 
     def steps(self, iterator, total):
         """Yields `BatchBegin` before and `BatchEnd` after each execution;

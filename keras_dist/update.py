@@ -427,7 +427,7 @@ def apply_if(keep, apply_fn, grads, variables, on_skip):
 
 
 # ------------------------------------------------- synchronous global update
-def global_gradient_apply(optimizer, examples, policy):
+def global_gradient_apply(optimizer, examples, policy, synced=None):
     """A sync hook giving replicas Keras' one-device update.
 
     Each replica's loss is its local mean scaled by 1 / replicas (Keras'
@@ -447,7 +447,11 @@ def global_gradient_apply(optimizer, examples, policy):
     within one rounding otherwise).
 
     The finite check and the global batch size travel in one small
-    all-reduce, so every replica takes the same skip decision.
+    all-reduce, so every replica takes the same skip decision. It is the
+    first point where the replicas meet: when `synced` is a list, the hook
+    appends the time that all-reduce returned on this replica (each replica
+    reads its own clock, so the time it waited there for the others is
+    free of clock differences between hosts).
     """
     def hook(original, grads, variables):
         context = tf.distribute.get_replica_context()
@@ -458,6 +462,9 @@ def global_gradient_apply(optimizer, examples, policy):
             local = tf.cast(examples, tf.float32)
             total_examples, total_bad = tf.unstack(context.all_reduce(
                 tf.distribute.ReduceOp.SUM, tf.stack([local, local_bad])))
+            if synced is not None:
+                with tf.control_dependencies([total_examples]):
+                    synced.append(tf.timestamp())
             factor = tf.math.divide_no_nan(local * replicas, total_examples)
             grads = scale_gradients(grads, factor)
             finite = tf.equal(total_bad, 0.0)

@@ -22,51 +22,166 @@ from keras_dist.datasets import load_digits
 from conftest import CPUS
 
 
-def feed(detector, times_by_worker, start_batch=0):
-    """Feeds one step per worker per batch; returns the batches fed."""
-    n = len(next(iter(times_by_worker.values())))
+class Clock:
+    """A wall clock the tests advance (the detector's `_clock`)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def detector_on_clock(**kwargs):
+    detector = StragglerDetector(**kwargs)
+    detector._clock = clock = Clock()
+    detector.on_epoch_begin(0)
+    return detector, clock
+
+
+def feed_sync(detector, clock, compute, late=None, comm=0.0005, start_batch=0):
+    """Synchronous steps: replica r computes `compute[r][i]` seconds, then is
+    `late[r][i]` seconds late on top (paused, descheduled); everybody leaves
+    the all-reduce when the last one arrives. Returns the batches fed."""
+    replicas = sorted(compute)
+    n = len(compute[replicas[0]])
     for i in range(n):
+        arrive = {r: compute[r][i] + (late[r][i] if late and r in late else 0.0)
+                  for r in replicas}
+        last = max(arrive.values())
+        clock.now += last + comm
         batch = start_batch + i
-        detector.on_replica_steps(batch, [ReplicaStep(w, 1, float(t[i]))
-                                          for w, t in times_by_worker.items()])
+        detector.on_replica_steps(batch, [
+            ReplicaStep(r, 1, float(compute[r][i]), waited=float(last - arrive[r] + comm))
+            for r in replicas])
         detector.on_train_batch_end(batch, {})
     return n
 
 
-# ----------------------------------------------------------------- the rule
+def feed_async(detector, clock, durations, start_batch=0):
+    """Asynchronous steps: each worker runs its steps back to back
+    (`durations[w][i]` wall seconds each, compute and pauses alike); the chief
+    hears of each when it completes."""
+    done = []
+    for worker, times in durations.items():
+        t = 0.0
+        for seconds in times:
+            t += seconds
+            done.append((t, worker, seconds))
+    done.sort()
+    batch = start_batch
+    for t, worker, seconds in done:
+        clock.now = t
+        detector.on_replica_steps(batch, [ReplicaStep(worker, 1, float(seconds))])
+        detector.on_train_batch_end(batch, {})
+        batch += 1
+    return batch
+
+
+def lognormal(rng, mean, spread, n):
+    return mean * rng.lognormal(0.0, spread, n)
+
+
+# ---------------------------------------------------------- the rule: sync
 @pytest.mark.parametrize("seed", range(10))
-def test_a_3x_slower_worker_is_flagged_within_two_windows(seed):
+def test_a_replica_computing_3x_slower_is_flagged_within_two_windows(seed):
     rng = np.random.default_rng(seed)
-    window, workers = 50, 4
+    window, replicas = 50, 4
     calls = []
-    detector = StragglerDetector(window=window, action=lambda *a: calls.append(a))
-    times = {f"worker{w}": 0.01 * rng.lognormal(0.0, 0.3, 2 * window) for w in range(workers)}
-    times["worker2"] *= 3.0
-    feed(detector, times)
-    assert [c[0] for c in calls] == ["worker2"]
-    assert detector.stragglers == {"worker2"}
-    assert 0.2 < detector.scores["worker2"] < 0.5
+    detector, clock = detector_on_clock(window=window, action=lambda *a: calls.append(a))
+    compute = {f"replica{r}": lognormal(rng, 0.01, 0.3, 2 * window) for r in range(replicas)}
+    compute["replica2"] *= 3.0
+    feed_sync(detector, clock, compute)
+    assert [c[0] for c in calls] == ["replica2"]
+    assert detector.stragglers == {"replica2"}
+    assert detector.costs["replica2"] > 0.4  # others wait ~2/3 of each step for it
+    assert 0.2 < detector.scores["replica2"] < 0.5  # and its computation explains why
     assert detector.events[0][0] < 2 * window  # the batch it was flagged at
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_a_replica_late_for_another_reason_is_flagged_with_a_normal_score(seed):
+    # Paused 30 ms at 1 step in 3 (a throttled container): its computation
+    # is as fast as anybody's, its arrival is not.
+    rng = np.random.default_rng(seed)
+    compute = {f"replica{r}": lognormal(rng, 0.01, 0.2, 200) for r in range(2)}
+    late = {"replica1": np.where(np.arange(200) % 3 == 0, 0.03, 0.0)}
+    lines = []
+    detector, clock = detector_on_clock(window=50, action=lambda *a: None)
+    detector.action = "warn"
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("keras_dist").addHandler(handler)
+    try:
+        feed_sync(detector, clock, compute, late)
+    finally:
+        logging.getLogger("keras_dist").removeHandler(handler)
+    assert detector.stragglers == {"replica1"}
+    assert detector.scores["replica1"] > 0.75
+    assert len(lines) == 1 and "its computation is not slower" in lines[0], lines
+
+
 @pytest.mark.parametrize("seed", range(10))
-def test_equal_workers_are_not_flagged(seed):
+def test_equal_replicas_are_not_flagged(seed):
     rng = np.random.default_rng(100 + seed)
-    detector = StragglerDetector(window=50, action=lambda *a: pytest.fail(f"flagged {a}"))
-    # 1000 steps each with a 20% log-normal spread, 8 workers. (At 30% the
-    # fastest of 8 medians of 50 is, now and then, 1/0.75 of the slowest.)
-    feed(detector, {f"worker{w}": 0.01 * rng.lognormal(0.0, 0.2, 1000) for w in range(8)})
-    assert detector.stragglers == set() and len(detector.scores) == 8
+    detector = StragglerDetector(action=lambda *a: pytest.fail(f"flagged {a}"))
+    detector._clock = clock = Clock()
+    detector.on_epoch_begin(0)
+    # 1000 steps each, 8 replicas: 20% log-normal spread in compute, and
+    # each replica now and then (1 step in 10) late by up to a whole step.
+    compute = {f"replica{r}": lognormal(rng, 0.01, 0.2, 1000) for r in range(8)}
+    late = {r: rng.uniform(0, 0.01, 1000) * (rng.random(1000) < 0.1) for r in compute}
+    feed_sync(detector, clock, compute, late)
+    assert detector.stragglers == set() and len(detector.costs) == 8
+    assert max(detector.costs.values()) < 0.08
 
 
-def test_recovery_needs_the_recovery_score_not_just_the_threshold():
-    detector = StragglerDetector(window=4, threshold=0.5, recovery=0.9,
-                                 action=lambda *a: None)  # seconds: gaps >= 1 ms
-    feed(detector, {"a": [1.0] * 4, "b": [3.0] * 4})
+# --------------------------------------------------------- the rule: async
+@pytest.mark.parametrize("seed", range(10))
+def test_a_worker_3x_slower_asynchronously_is_flagged(seed):
+    rng = np.random.default_rng(seed)
+    calls = []
+    detector, clock = detector_on_clock(window=50, action=lambda *a: calls.append(a))
+    durations = {f"worker{w}": lognormal(rng, 0.01, 0.3, 300) for w in range(3)}
+    durations["worker1"] = durations["worker1"][:100] * 3.0  # the same 3 s
+    feed_async(detector, clock, durations)
+    assert [c[0] for c in calls] == ["worker1"]
+    # It does 1/3 of a normal worker's steps: 2/3 of its third of the cluster.
+    assert detector.costs["worker1"] == pytest.approx(2 / 9, abs=0.06)
+
+
+def test_a_stopped_worker_is_flagged_asynchronously():
+    detector, clock = detector_on_clock(window=10, action=lambda *a: None)
+    feed_async(detector, clock, {"worker0": [0.01] * 30, "worker1": [0.01] * 30})
+    assert detector.stragglers == set()
+    # worker1 stops reporting: worker0 goes on alone for 0.3 s.
+    for i in range(30):
+        clock.now += 0.01
+        detector.on_replica_steps(60 + i, [ReplicaStep("worker0", 1, 0.01)])
+    assert detector.stragglers == {"worker1"}
+    assert detector.costs["worker1"] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_equal_workers_are_not_flagged_asynchronously(seed):
+    rng = np.random.default_rng(200 + seed)
+    detector, clock = detector_on_clock(
+        window=50, action=lambda *a: pytest.fail(f"flagged {a}"))
+    feed_async(detector, clock, {f"worker{w}": lognormal(rng, 0.01, 0.3, 500)
+                                 for w in range(4)})
+    assert detector.stragglers == set() and len(detector.costs) == 4
+
+
+# ------------------------------------------------------------ the verdict
+def test_recovery_needs_the_cost_under_the_recovery_level():
+    detector, clock = detector_on_clock(window=4, threshold=0.3, recovery=0.05,
+                                        action=lambda *a: None)
+    fast, slow = [0.01] * 4, [0.03] * 4  # b costs 2/3 of each step
+    feed_sync(detector, clock, {"a": fast, "b": slow})
     assert detector.stragglers == {"b"}
-    feed(detector, {"a": [1.0] * 4, "b": [1.5] * 4}, start_batch=4)  # score 0.67
+    feed_sync(detector, clock, {"a": fast, "b": [0.0115] * 4}, start_batch=4)  # ~13%
     assert detector.stragglers == {"b"}
-    feed(detector, {"a": [1.0] * 4, "b": [1.05] * 4}, start_batch=8)  # score 0.95
+    feed_sync(detector, clock, {"a": fast, "b": [0.0102] * 4}, start_batch=8)  # ~2%
     assert detector.stragglers == set()
     assert [(e[1], e[3]) for e in detector.events] == [("b", "flagged"), ("b", "recovered")]
 
@@ -78,38 +193,57 @@ def test_warn_logs_one_line_per_change_of_state():
     logger = logging.getLogger("keras_dist")
     logger.addHandler(handler)
     try:
-        detector = StragglerDetector(window=4)
-        feed(detector, {"worker0": [0.01] * 12, "worker1": [0.04] * 12})
-        feed(detector, {"worker0": [0.01] * 12, "worker1": [0.01] * 12}, start_batch=12)
+        detector, clock = detector_on_clock(window=4, threshold=0.2)
+        feed_sync(detector, clock, {"replica0": [0.01] * 12, "replica1": [0.04] * 12},
+                  comm=0.0)
+        feed_sync(detector, clock, {"replica0": [0.01] * 12, "replica1": [0.01] * 12},
+                  start_batch=12, comm=0.0)
     finally:
         logger.removeHandler(handler)
     assert len(lines) == 2, lines
-    assert lines[0] == ("worker1 is a straggler: median step 40.0 ms vs 10.0 ms on worker0 "
-                        "(last 4 steps each), score 0.25 < threshold 0.75."), lines[0]
-    assert lines[1].startswith("worker1 is no longer a straggler: median step 10.0 ms")
+    assert lines[0] == ("replica1 is a straggler: it costs 75% of the job's time (30.0 ms "
+                        "per step); its computation takes 4.0x the fastest's, last 4 steps "
+                        "(threshold 20%)."), lines[0]
+    assert lines[1] == "replica1 is no longer a straggler: it costs 0% of the job's time."
 
 
 def test_raise_stops_with_a_message_naming_the_worker():
-    detector = StragglerDetector(window=3, action="raise")
-    with pytest.raises(StragglerError, match=r"worker1 is a straggler at batch 2: .*score 0\.50"):
-        feed(detector, {"worker0": [0.01] * 3, "worker1": [0.02] * 3})
+    detector, clock = detector_on_clock(window=3, action="raise")
+    with pytest.raises(StragglerError, match=r"replica1 is a straggler at batch 2: it costs "
+                                             r"50% of the job's time"):
+        feed_sync(detector, clock, {"replica0": [0.01] * 3, "replica1": [0.02] * 3}, comm=0)
 
 
-def test_sub_millisecond_differences_are_not_flagged():
-    detector = StragglerDetector(window=4, action=lambda *a: None)
-    feed(detector, {"a": [0.0001] * 8, "b": [0.0004] * 8})  # 4x, but 0.3 ms
-    assert detector.scores["b"] == pytest.approx(0.25) and detector.stragglers == set()
-    detector = StragglerDetector(window=4, min_gap=0.0, action=lambda *a: None)
-    feed(detector, {"a": [0.0001] * 8, "b": [0.0004] * 8})
+def test_sub_millisecond_costs_are_not_flagged():
+    compute = {"a": [0.0001] * 8, "b": [0.0004] * 8}  # b costs 3/4, but 0.3 ms a step
+    detector, clock = detector_on_clock(window=4, action=lambda *a: None)
+    feed_sync(detector, clock, compute, comm=0)
+    assert detector.costs["b"] == pytest.approx(0.75) and detector.stragglers == set()
+    detector, clock = detector_on_clock(window=4, min_gap=0.0, action=lambda *a: None)
+    feed_sync(detector, clock, compute, comm=0)
     assert detector.stragglers == {"b"}
 
 
 def test_steps_per_execution_counts_every_step():
-    detector = StragglerDetector(window=10, min_steps=10, min_gap=0, action=lambda *a: None)
-    detector.on_replica_steps(0, [ReplicaStep("w0", 5, 0.05), ReplicaStep("w1", 5, 0.5)])
-    assert detector.scores == {}  # 5 of the 10 steps needed
-    detector.on_replica_steps(1, [ReplicaStep("w0", 5, 0.05), ReplicaStep("w1", 5, 0.5)])
+    detector, clock = detector_on_clock(window=10, min_steps=10, action=lambda *a: None)
+    for batch in range(2):
+        clock.now += 0.5
+        detector.on_replica_steps(batch, [ReplicaStep("w0", 5, 0.05, waited=0.45),
+                                          ReplicaStep("w1", 5, 0.5, waited=0.0)])
+        if batch == 0:
+            assert detector.costs == {} and detector.scores == {}  # 5 of the 10 steps
     assert detector.scores == {"w0": 1.0, "w1": pytest.approx(0.1)}
+    assert detector.costs["w1"] == pytest.approx(0.9) and detector.stragglers == {"w1"}
+
+
+def test_time_between_epochs_is_not_counted():
+    detector, clock = detector_on_clock(window=4, action=lambda *a: None)
+    feed_sync(detector, clock, {"a": [0.01] * 4, "b": [0.012] * 4}, comm=0)
+    cost = detector.costs["b"]
+    clock.now += 100.0  # a long evaluation
+    detector.on_epoch_begin(1)
+    feed_sync(detector, clock, {"a": [0.01] * 4, "b": [0.012] * 4}, comm=0, start_batch=4)
+    assert detector.costs["b"] == pytest.approx(cost)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -120,7 +254,8 @@ def test_steps_per_execution_counts_every_step():
     ({"threshold": "0.5"}, "`threshold` must be a number strictly between 0 and 1"),
     ({"action": "email"}, "`action` must be 'warn', 'raise' or a callable"),
     ({"window": 10, "min_steps": 11}, r"`min_steps` must be an integer in \[2, window=10\]"),
-    ({"threshold": 0.8, "recovery": 0.7}, r"`recovery` must be a number in \(threshold=0.8"),
+    ({"threshold": 0.2, "recovery": 0.3}, r"`recovery` must be a number in \[0, threshold=0.2\)"),
+    ({"recovery": -0.1}, r"`recovery` must be a number in \[0, threshold=0.2\)"),
     ({"min_gap": -1}, "`min_gap` must be a number of seconds >= 0"),
 ])
 def test_detector_rejects_bad_parameters(kwargs, message):

@@ -46,6 +46,14 @@ class ReplicaStep:
         loss: Float. Mean training loss over those examples (NaN if unknown).
         staleness: Tuple of integers, one tau per update (asynchronous
             training only; empty otherwise).
+        waited: Float. Seconds the replica spent at the gradient all-reduce
+            waiting for the others (synchronous training under
+            `keras_dist.fit`; NaN elsewhere). The replica everybody waits for
+            waits the least.
+        stalled: Float. Seconds the replica's process could not run
+            (stopped, or starved of CPU; see `keras_dist.stall`) during the
+            execution (synchronous training under `keras_dist.fit`; NaN
+            elsewhere).
 
     Example:
 
@@ -62,13 +70,16 @@ class ReplicaStep:
     examples: Optional[int] = None
     loss: float = math.nan
     staleness: Tuple[int, ...] = ()
+    waited: float = math.nan
+    stalled: float = math.nan
 
     @classmethod
     def from_report(cls, report, prefix, steps):
         """From a `keras_dist.step_report.StepReport`; `prefix` is
         `"worker"` or `"replica"`."""
         return cls(replica=f"{prefix}{report.worker}", steps=steps, seconds=report.seconds,
-                   examples=report.examples, loss=report.loss, staleness=report.staleness)
+                   examples=report.examples, loss=report.loss, staleness=report.staleness,
+                   waited=report.waited, stalled=report.stalled)
 
 
 class ReplicaCallback(keras.callbacks.Callback):

@@ -2,6 +2,8 @@
 
 import collections
 import logging
+import math
+import time
 
 import numpy as np
 
@@ -19,8 +21,9 @@ class StragglerError(RuntimeError):
     >>> import keras_dist as kd
     >>> from keras_dist.callbacks import ReplicaStep
     >>> detector = kd.callbacks.StragglerDetector(window=2, action="raise")
-    >>> detector.on_replica_steps(0, [ReplicaStep("worker0", 2, 0.02),
-    ...                               ReplicaStep("worker1", 2, 0.08)])
+    >>> detector.on_epoch_begin(0)
+    >>> detector.on_replica_steps(0, [ReplicaStep("worker0", 2, 0.02, waited=0.06),
+    ...                               ReplicaStep("worker1", 2, 0.08, waited=0.0)])
     >>> try:
     ...     detector.on_train_batch_end(0, {})
     ... except kd.callbacks.StragglerError as error:
@@ -30,164 +33,298 @@ class StragglerError(RuntimeError):
 
 
 class StragglerDetector(ReplicaCallback):
-    """Flags workers (or replicas) whose steps are much slower than the fastest's.
+    """Flags the workers (or replicas) that cost the job a share of its time.
 
-    For each worker it keeps the compute time of its last `window` steps and
-    their median. Its score is the fastest worker's median divided by its
-    own (the rule of NVIDIA's resiliency extension): 1.0 for the fastest,
-    0.33 for a worker three times slower. A worker whose score falls below
-    `threshold` is a straggler until its score is back at `recovery` or
-    above (the gap keeps a worker near the threshold from flapping); when
-    that changes (flagged, or recovered), `action` runs.
+    A worker is a straggler when it costs the job more than `threshold` of
+    its wall time (20% by default), over the last `window` steps (100). How that cost is measured depends on the training:
 
-    Where the times come from: in asynchronous training, the time each
-    worker spent on its steps; in synchronous training under
-    `keras_dist.fit`, each replica's time from batch to gradients, measured
-    *before* the all-reduce (after it every replica waits for the slowest,
-    which would hide the straggler). With one replica (Keras' own loop)
-    there is nobody to compare with and nothing is flagged.
+    - **Synchronous** (`MirroredStrategy`, `MultiWorkerMirroredStrategy`
+      under `keras_dist.fit`): every replica reads, on its own clock, how
+      long it waited at the gradient all-reduce for the others to arrive.
+      The replica that arrives last waits the least, so the time the others
+      waited *for it* is the median of the others' waits minus its own.
+      That catches whatever makes a replica late: a slow computation, a
+      pause before the all-reduce, a busy host loop. A worker stopped or
+      starved *inside* a collective makes everybody wait alike there, so
+      each worker's process also counts the time it could not run
+      (`keras_dist.stall`: a thread that wakes much later than it asked);
+      its excess over the others' is time the job lost to it. The cost is
+      the larger of the two, summed over the window, divided by the window's
+      wall time. Only intervals on one clock are compared, so clock
+      differences between hosts cannot raise a flag.
+    - **Asynchronous** (parameter servers): nobody waits for a slow worker;
+      it does fewer of the updates. Each worker's throughput is its steps
+      in the window per wall second (the chief's clock). The job loses
+      `1 - throughput / reference` of that worker's share of the cluster,
+      where the reference is the median throughput of the other workers;
+      its cost is that loss divided by the number of workers. A worker that
+      is paused, gets its work late or stops reporting does fewer steps,
+      whatever its computation time.
 
-    The epoch logs get `straggler_score/<worker>` for every scored worker,
-    so `History`, `CSVLogger` and `TensorBoard` record them. Under
+    A flagged worker stays flagged until its cost falls below `recovery`
+    (half the threshold by default), so a worker near the threshold does not
+    flap; every change of state runs `action`. Equal workers on a busy
+    machine trade small costs back and forth, which mostly cancel over a
+    window: with 20-30% step-to-step jitter and every worker now and then a
+    whole step late, their net costs stay under 15% over 100-step windows,
+    hence the default threshold of 20% (a worker stopped half the time costs
+    about 50%). On a quiet cluster, 0.1 with a longer window catches
+    milder stragglers. `min_gap` also ignores costs under a millisecond per
+    step.
+
+    To explain *why* a worker is late, the detector keeps each worker's
+    compute time per step (batch to gradients): `scores` holds the fastest
+    worker's median compute time divided by each worker's (1.0 for the
+    fastest, 0.33 for a computation three times slower). A straggler with a
+    normal score is late for another reason: paused, descheduled, or its
+    host busy between steps.
+
+    The epoch logs get `straggler_cost/<worker>` and
+    `straggler_score/<worker>` for every worker scored, so `History`,
+    `CSVLogger` and `TensorBoard` record them. Under
     `MultiWorkerMirroredStrategy` every worker sees the same numbers and
-    makes the same decision (so `"raise"` stops them all at the same step);
-    only the chief logs.
+    takes the same decision (so `"raise"` stops them all at the same step);
+    only the chief logs. With one replica (Keras' own loop) there is nobody
+    to wait for and nothing is flagged.
 
     Args:
-        window: Integer >= 2. Steps per worker in the rolling median. A
-            worker is scored once it has `min_steps` steps.
-        threshold: Float in (0, 1). Scores below it are flagged.
+        window: Integer >= 2. Steps in the rolling window (asynchronous:
+            steps per worker, `window x workers` in all). Defaults to 100.
+        threshold: Float in (0, 1). Share of the job's time a worker must
+            cost to be flagged. Defaults to `0.2`.
         action: `"warn"` (one log line on the chief per change of state),
             `"raise"` (a `StragglerError` stops training when a straggler
-            appears), or a callable `action(worker, score, logs)` called on
-            every change of state (`score < threshold`: newly flagged;
-            otherwise recovered). `logs` are the batch logs.
-        min_steps: Integer in [2, window]: steps a worker needs before it is
-            scored. Defaults to `window`.
-        recovery: Float in (threshold, 1]: score at which a flagged worker
-            counts as recovered. Defaults to `(1 + threshold) / 2`.
-        min_gap: Float >= 0, seconds. A worker is flagged only if its median
-            is also at least this much above the fastest one's: sub-
-            millisecond steps jitter by large ratios that cost nothing.
+            appears), or a callable `action(worker, cost, logs)` called on
+            every change of state (`worker in detector.stragglers`: newly
+            flagged; otherwise recovered). `logs` are the batch logs.
+        min_steps: Integer in [2, window]: steps the window needs (per
+            worker, asynchronous) before anybody is judged. Defaults to
+            `window`.
+        recovery: Float in [0, threshold): cost under which a flagged worker
+            counts as recovered. Defaults to `threshold / 2`.
+        min_gap: Float >= 0, seconds. A worker is flagged only if it also
+            costs at least this much per step (synchronous: what the others
+            wait for it; asynchronous: how much longer its steps take than
+            the reference's). Defaults to 1 ms.
 
     Attributes:
-        scores: Dict `worker -> score` (latest).
+        costs: Dict `worker -> cost` (latest; share of the wall time).
+        scores: Dict `worker -> compute score` (latest; 1.0 for the fastest).
         stragglers: Set of the workers flagged now.
-        events: List of `(batch, worker, score, "flagged" | "recovered")`.
+        events: List of `(batch, worker, cost, "flagged" | "recovered")`.
 
     Example:
 
+    Synchronous replicas: replica 1 arrives 20 ms late at every all-reduce,
+    so replica 0 waits 20 ms a step for it.
+
+    >>> import time
     >>> import keras_dist as kd
     >>> from keras_dist.callbacks import ReplicaStep
     >>> detector = kd.callbacks.StragglerDetector(window=4, action=lambda *a: None)
+    >>> detector.on_epoch_begin(0)
     >>> for batch in range(4):
+    ...     time.sleep(0.04)   # the step's wall time
     ...     detector.on_replica_steps(batch, [
-    ...         ReplicaStep("worker0", steps=1, seconds=0.010),
-    ...         ReplicaStep("worker1", steps=1, seconds=0.030)])
-    >>> round(detector.scores["worker1"], 2), detector.stragglers
-    (0.33, {'worker1'})
+    ...         ReplicaStep("replica0", steps=1, seconds=0.010, waited=0.021),
+    ...         ReplicaStep("replica1", steps=1, seconds=0.030, waited=0.001)])
+    >>> detector.stragglers, round(detector.scores["replica1"], 2)
+    ({'replica1'}, 0.33)
+    >>> 0.3 < detector.costs["replica1"] <= 0.5   # 20 ms of each ~40 ms step
+    True
     """
 
-    def __init__(self, window=50, threshold=0.75, action="warn", min_steps=None,
+    def __init__(self, window=100, threshold=0.2, action="warn", min_steps=None,
                  recovery=None, min_gap=0.001):
         super().__init__()
         if isinstance(window, bool) or not isinstance(window, int) or window < 2:
             raise ValueError(
                 f"StragglerDetector: `window` must be an integer >= 2 (steps in "
-                f"the rolling median). Received: window={window!r}.")
+                f"the rolling window). Received: window={window!r}.")
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) \
                 or not 0.0 < threshold < 1.0:
             raise ValueError(
                 "StragglerDetector: `threshold` must be a number strictly between "
-                "0 and 1 (a worker is flagged when fastest median / its median "
-                f"falls below it; 0.75 is the default). Received: threshold={threshold!r}.")
+                "0 and 1: the share of the job's time a worker must cost to be "
+                f"flagged (0.2 is the default). Received: threshold={threshold!r}.")
         if not (callable(action) or action in ("warn", "raise")):
             raise ValueError(
                 "StragglerDetector: `action` must be 'warn', 'raise' or a callable "
-                f"action(worker, score, logs). Received: action={action!r}.")
+                f"action(worker, cost, logs). Received: action={action!r}.")
         min_steps = window if min_steps is None else min_steps
         if isinstance(min_steps, bool) or not isinstance(min_steps, int) \
                 or not 2 <= min_steps <= window:
             raise ValueError(
                 f"StragglerDetector: `min_steps` must be an integer in [2, window={window}]. "
                 f"Received: min_steps={min_steps!r}.")
-        recovery = (1.0 + threshold) / 2.0 if recovery is None else recovery
+        recovery = threshold / 2.0 if recovery is None else recovery
         if isinstance(recovery, bool) or not isinstance(recovery, (int, float)) \
-                or not threshold < recovery <= 1.0:
+                or not 0.0 <= recovery < threshold:
             raise ValueError(
-                f"StragglerDetector: `recovery` must be a number in (threshold={threshold!r}, "
-                f"1]. Received: recovery={recovery!r}.")
-        self.recovery = float(recovery)
+                f"StragglerDetector: `recovery` must be a number in [0, threshold="
+                f"{threshold!r}). Received: recovery={recovery!r}.")
         if isinstance(min_gap, bool) or not isinstance(min_gap, (int, float)) \
                 or not min_gap >= 0:
             raise ValueError(
                 "StragglerDetector: `min_gap` must be a number of seconds >= 0. "
                 f"Received: min_gap={min_gap!r}.")
-        self.min_gap = float(min_gap)
         self.window, self.threshold, self.action = window, float(threshold), action
-        self.min_steps = min_steps
-        self._times = collections.defaultdict(lambda: collections.deque(maxlen=window))
-        self.scores, self.stragglers, self.events = {}, set(), []
+        self.min_steps, self.recovery, self.min_gap = min_steps, float(recovery), float(min_gap)
+        self._clock = time.perf_counter  # the wall clock of this process
+        self._reset()
+
+    def _reset(self):
+        self._compute = collections.defaultdict(
+            lambda: collections.deque(maxlen=self.window))
+        # Executions in the window: (steps, wall seconds, {worker: (steps, waited)}).
+        self._executions = collections.deque()
+        self._workers = set()
+        self._mark = None
+        self.costs, self.scores, self.stragglers, self.events = {}, {}, set(), []
         self._pending = []
 
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
-        self._times.clear()
-        self.scores, self.stragglers, self.events = {}, set(), []
+        self._reset()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        # Time between epochs (evaluation, checkpoints) is nobody's straggling.
+        self._mark = self._clock()
 
     def medians(self):
-        """Dict `worker -> median step seconds` of the workers scored so far."""
-        return {worker: float(np.median(times)) for worker, times in self._times.items()
+        """Dict `worker -> median compute seconds per step` of the workers
+        with `min_steps` steps."""
+        return {worker: float(np.median(times)) for worker, times in self._compute.items()
                 if len(times) >= self.min_steps}
 
+    # ------------------------------------------------------------ measuring
     def on_replica_steps(self, batch, steps):
+        now = self._clock()
+        wall = 0.0 if self._mark is None else now - self._mark
+        self._mark = now
+        if not steps or (len(steps) > 1 and not all(np.isfinite(s.waited) for s in steps)):
+            return  # nothing, or an execution that was traced: no timing to judge by
         for step in steps:
+            self._workers.add(step.replica)
             if step.steps > 0:
-                self._times[step.replica].extend([step.seconds / step.steps] * step.steps)
+                self._compute[step.replica].extend([step.seconds / step.steps] * step.steps)
         medians = self.medians()
-        if len(medians) < 2:
+        if len(medians) > 1:
+            fastest = min(medians.values())
+            self.scores = {w: (fastest / m if m > 0 else 1.0) for w, m in sorted(medians.items())}
+        synchronous = len(steps) > 1
+        self._executions.append((max(s.steps for s in steps) if synchronous
+                                 else sum(s.steps for s in steps), wall,
+                                 {s.replica: (s.steps, s.waited, s.stalled) for s in steps}))
+        limit = self.window * (1 if synchronous else max(1, len(self._workers)))
+        while sum(e[0] for e in self._executions) - self._executions[0][0] >= limit:
+            self._executions.popleft()
+        if len(self._workers) < 2:
             return
-        fastest = min(medians.values())
-        self.scores = {worker: (fastest / median if median > 0 else 1.0)
-                       for worker, median in sorted(medians.items())}
-        for worker, score in self.scores.items():
+        costs = self._sync_costs() if synchronous else self._async_costs()
+        if costs is None:
+            return
+        self.costs = {worker: cost for worker, (cost, _) in sorted(costs.items())}
+        for worker, (cost, gap) in sorted(costs.items()):
             was_flagged = worker in self.stragglers
-            flagged = (score < (self.recovery if was_flagged else self.threshold)
-                       and medians[worker] - fastest >= self.min_gap)
+            flagged = (cost >= self.recovery if was_flagged else
+                       cost >= self.threshold and gap >= self.min_gap)
             if flagged == was_flagged:
                 continue
             if flagged:
                 self.stragglers.add(worker)
             else:
                 self.stragglers.discard(worker)
-            event = (batch, worker, score, "flagged" if flagged else "recovered")
+            event = (batch, worker, cost, "flagged" if flagged else "recovered")
             self.events.append(event)
-            self._pending.append((event, medians, fastest))
+            self._pending.append((event, gap, dict(self.scores)))
 
+    def _sync_costs(self):
+        """`{replica: (share of the wall time the others waited for it,
+        seconds per step)}` over the window; `None` before `min_steps`."""
+        steps = sum(e[0] for e in self._executions)
+        wall = sum(e[1] for e in self._executions)
+        if steps < self.min_steps or wall <= 0:
+            return None
+        workers = sorted({w for e in self._executions for w in e[2]})
+        # [execution, replica]: its wait at the all-reduce, and the time its
+        # process stalled (0 if it was absent or the value unknown).
+        waited, stalled = (
+            np.nan_to_num(np.array([[e[2].get(w, (0, 0.0, 0.0))[i] for w in workers]
+                                    for e in self._executions]))
+            for i in (1, 2))
+        costs = {}
+        for r, worker in enumerate(workers):
+            # Late at the all-reduce: the others waited for it there.
+            late = np.median(np.delete(waited, r, axis=1), axis=1) - waited[:, r]
+            # Stopped or starved anywhere (inside a collective too, where
+            # everybody waits alike): the job could not go on without it.
+            stopped = stalled[:, r] - np.median(np.delete(stalled, r, axis=1), axis=1)
+            lost = max(0.0, float(late.sum()), float(stopped.sum()))
+            costs[worker] = (min(1.0, lost / wall), lost / steps)
+        return costs
+
+    def _async_costs(self):
+        """`{worker: (share of the cluster's throughput lost to it, extra
+        seconds per step)}` over the window; `None` before every worker has
+        had `min_steps` steps' worth of it."""
+        workers = sorted(self._workers)
+        total = sum(e[0] for e in self._executions)
+        wall = sum(e[1] for e in self._executions)
+        if total < self.min_steps * len(workers) or wall <= 0:
+            return None
+        done = collections.Counter()
+        for _, _, per_worker in self._executions:
+            for worker, (count, _, _) in per_worker.items():
+                done[worker] += count
+        rate = {w: done[w] / wall for w in workers}
+        costs = {}
+        for worker in workers:
+            reference = float(np.median([rate[w] for w in workers if w != worker]))
+            if reference <= 0:
+                costs[worker] = (0.0, 0.0)
+                continue
+            lost = max(0.0, 1.0 - rate[worker] / reference)
+            gap = math.inf if rate[worker] == 0 else max(
+                0.0, 1.0 / rate[worker] - 1.0 / reference)
+            costs[worker] = (lost / len(workers), gap)
+        return costs
+
+    # ------------------------------------------------------------- deciding
     def on_train_batch_end(self, batch, logs=None):
         super().on_train_batch_end(batch, logs)
         pending, self._pending = self._pending, []
-        for (batch_index, worker, score, what), medians, fastest in pending:
-            self._act(batch_index, worker, score, what, medians, fastest, logs or {})
+        for (batch_index, worker, cost, what), gap, scores in pending:
+            self._act(batch_index, worker, cost, what, gap, scores, logs or {})
 
-    def _act(self, batch, worker, score, what, medians, fastest, logs):
-        fastest_worker = min(medians, key=medians.get)
-        detail = (f"median step {medians[worker] * 1e3:.1f} ms vs {fastest * 1e3:.1f} ms "
-                  f"on {fastest_worker} (last {self.window} steps each), score "
-                  f"{score:.2f}")
+    def _act(self, batch, worker, cost, what, gap, scores, logs):
+        detail = f"it costs {cost:.0%} of the job's time"
+        if gap > 0 and math.isfinite(gap):
+            detail += f" ({gap * 1e3:.1f} ms per step)"
+        if worker in scores:
+            score = scores[worker]
+            detail += (f"; its computation takes {1 / score:.1f}x the fastest's"
+                       if score < 0.8 else "; its computation is not slower "
+                       "(late for another reason: paused, descheduled or busy between steps)")
+        detail += f", last {self.window} steps"
         if callable(self.action):
-            self.action(worker, score, logs)
+            self.action(worker, cost, logs)
         elif what == "flagged" and self.action == "raise":
             raise StragglerError(
-                f"{worker} is a straggler at batch {batch}: {detail} < threshold "
-                f"{self.threshold:g}. (StragglerDetector(action='raise'); use "
+                f"{worker} is a straggler at batch {batch}: {detail} (threshold "
+                f"{self.threshold:.0%}). (StragglerDetector(action='raise'); use "
                 "action='warn' to keep training.)")
         elif self.action == "warn" and self.is_chief:
             if what == "flagged":
-                logger.warning("%s is a straggler: %s < threshold %g.", worker, detail,
-                               self.threshold)
+                logger.warning("%s is a straggler: %s (threshold %.0f%%).", worker, detail,
+                               self.threshold * 100)
             else:
-                logger.warning("%s is no longer a straggler: %s.", worker, detail)
+                logger.warning("%s is no longer a straggler: it costs %.0f%% of the job's "
+                               "time.", worker, cost * 100)
 
     def replica_logs(self):
-        return {f"straggler_score/{worker}": score for worker, score in self.scores.items()}
+        logs = {f"straggler_cost/{worker}": cost for worker, cost in self.costs.items()}
+        logs.update({f"straggler_score/{worker}": score
+                     for worker, score in self.scores.items()})
+        return logs
+

@@ -3,14 +3,25 @@ task by keras-dist-run: asynchronous with a ps task, MultiWorkerMirrored
 without. Slowdowns come from KERAS_DIST_SLOW_WORKER, set by the test.
 
 The chief writes what the tests check to out_dir/result.json.
-argv: out_dir epochs window threshold.
+argv: out_dir epochs window threshold [churn, 0]. With churn > 0 each step
+also does that many 256x256 matrix products with a fixed (non-trainable)
+matrix: CPU-bound steps without more gradients to all-reduce.
 """
 
 import json
 import os
 import sys
+import time
 
 import keras_dist as kd
+
+# Tests that slow a task from outside (SIGSTOP duty cycles, CPU hogs) find
+# its process here: out_dir/pid.<role><index>.
+_cluster = kd.ClusterConfig.from_env()
+if _cluster is not None:
+    with open(os.path.join(sys.argv[1], f"pid.{_cluster.task_type}{_cluster.task_index}"),
+              "w") as _f:
+        _f.write(str(os.getpid()))
 
 strategy = kd.resolve_strategy()  # MultiWorkerMirrored must come before any TF op
 
@@ -19,11 +30,33 @@ import keras  # noqa: E402
 from keras_dist.datasets import load_digits  # noqa: E402
 
 
+CHURN = int(sys.argv[5]) if len(sys.argv) > 5 else 0
+
+
+class Churn(keras.layers.Layer):
+    """`repeats` products with a fixed matrix, scaled to keep the values."""
+
+    def __init__(self, repeats, **kwargs):
+        super().__init__(**kwargs)
+        self.repeats = repeats
+
+    def build(self, input_shape):
+        self.fixed = self.add_weight(shape=(input_shape[-1], input_shape[-1]),
+                                     initializer="orthogonal", trainable=False)
+
+    def call(self, x):
+        y = x
+        for _ in range(self.repeats):
+            y = keras.ops.matmul(y, self.fixed)
+        return x + 0.0 * y
+
+
 def build_model():
     keras.utils.set_random_seed(0)
     model = keras.Sequential([
         keras.Input((64,)),
         keras.layers.Dense(256, activation="relu"),
+        *([Churn(CHURN)] if CHURN else []),
         keras.layers.Dense(256, activation="relu"),
         keras.layers.Dense(10, activation="softmax"),
     ])
@@ -50,9 +83,15 @@ def main(out_dir, epochs, window, threshold):
     counter = CountSteps()
     events = []
 
-    def action(worker, score, logs):
-        events.append({"worker": worker, "score": score,
-                       "steps_of_worker": counter.counts.get(worker, 0)})
+    started = time.perf_counter()
+
+    def action(worker, cost, logs):
+        events.append({"worker": worker, "cost": cost,
+                       "flagged": worker in detector.stragglers,
+                       "steps_of_worker": counter.counts.get(worker, 0),
+                       "counts": dict(counter.counts),
+                       "seconds": time.perf_counter() - started,
+                       "scores": dict(detector.scores)})
 
     detector = kd.callbacks.StragglerDetector(window=window, threshold=threshold,
                                                 action=action)
@@ -68,6 +107,8 @@ def main(out_dir, epochs, window, threshold):
             "events": events,
             "detector_events": [list(e) for e in detector.events],
             "scores": detector.scores,
+            "costs": detector.costs,
+            "seconds": time.perf_counter() - started,
             "totals": metrics.totals,
             "counts": counter.counts,
             "version": getattr(history.model, "version", None),
