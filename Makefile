@@ -37,6 +37,7 @@ bench: $(STAMP)
 	$(VENV)/bin/keras-dist-run --workers 2 --ps 2 -- $(PY) benchmarks/ps_sharded.py
 	$(PY) benchmarks/staleness_convergence.py --workers 4,16,64,256
 	$(PY) benchmarks/straggler.py
+	$(PY) benchmarks/straggler_detection.py
 	$(PY) benchmarks/report.py
 
 ## dist: the sdist and the wheel, in dist/

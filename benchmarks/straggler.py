@@ -87,7 +87,7 @@ def train(out_path):
 
     flagged = []
     detector = kd.callbacks.StragglerDetector(
-        window=30, action=lambda worker, score, logs: flagged.append([worker, score]))
+        window=30, action=lambda worker, cost, logs: flagged.append([worker, cost]))
     clock = Clock()
     steps = -(-len(x) // BATCH)  # async: updates per epoch, one pass over the data
     global_batch = BATCH * (1 if asynchronous else strategy.num_replicas_in_sync)

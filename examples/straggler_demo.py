@@ -1,7 +1,7 @@
 """Finds a slow worker: StragglerDetector and PerReplicaMetrics on digits.
 
 One worker is made slower on purpose (`keras_dist.testing`, the same as
-`KERAS_DIST_SLOW_WORKER=1:3`); the detector names it within a window of its
+`KERAS_DIST_SLOW_WORKER=1:10`); the detector names it within a window of
 steps, and the per-worker metrics show what it costs. Run it under the
 launcher, asynchronously (with a parameter server) or synchronously:
 
@@ -27,13 +27,13 @@ from keras_dist import flags as kd_flags
 
 kd_flags.define_flags(staleness=False, local_steps=False, sharding=False)
 # This demo's defaults: the detector on, a shorter window, the per-worker table.
-flags.FLAGS.set_default("straggler_threshold", 0.75)
+flags.FLAGS.set_default("straggler_threshold", 0.2)
 flags.FLAGS.set_default("straggler_window", 30)
 flags.FLAGS.set_default("per_replica_metrics", True)
 flags.DEFINE_alias("threshold", "straggler_threshold")
 flags.DEFINE_alias("window", "straggler_window")
 _SLOW = flags.DEFINE_string(
-    "slow", "1:3", "Slowed worker and factor, `index:factor` (empty: none). "
+    "slow", "1:10", "Slowed worker and factor, `index:factor` (empty: none). "
     "The index is a worker's in asynchronous training and a replica's in "
     "synchronous training (one per worker here).")
 _EPOCHS = flags.DEFINE_integer("epochs", 6, "Passes over the training set.")
@@ -76,11 +76,11 @@ def main(argv):
 
     class EpochLine(keras.callbacks.Callback):
         def on_epoch_end(self, epoch, logs=None):
-            scores = "  ".join(f"{k.split('/')[1]} {v:.2f}" for k, v in sorted(logs.items())
-                               if k.startswith("straggler_score/"))
+            costs = "  ".join(f"{k.split('/')[1]} {v:.0%}" for k, v in sorted(logs.items())
+                              if k.startswith("straggler_cost/"))
             if is_chief:
-                print(f"epoch {epoch + 1}: loss {logs['loss']:.3f}  straggler scores: "
-                      f"{scores or '(not yet: each worker needs a window of steps)'}",
+                print(f"epoch {epoch + 1}: loss {logs['loss']:.3f}  cost of each worker: "
+                      f"{costs or '(not yet: the detector needs a window of steps)'}",
                       flush=True)
 
     # StragglerDetector and PerReplicaMetrics (and TensorBoard) from the flags.

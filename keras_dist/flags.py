@@ -5,7 +5,7 @@
 TensorFlow op; `wrap_optimizer(...)` goes into the model's `compile`, and
 `kd.fit(..., **fit_kwargs(strategy=strategy))` takes the rest. Then
 `--strategy=mirrored`, `--staleness=dcasgd --max_staleness=8`,
-`--local_steps=4` or `--straggler_threshold=0.75 --tensorboard_dir=/tmp/tb`
+`--local_steps=4` or `--straggler_threshold=0.2 --tensorboard_dir=/tmp/tb`
 change the training without touching the script. docs/flags.md has a whole
 script and the table of flags; `examples/train_digits.py` is one.
 
@@ -21,7 +21,7 @@ Example:
 >>> from keras_dist import flags as kd_flags
 >>> fv = flags.FlagValues()
 >>> _ = kd_flags.define_flags(fv)
->>> _ = fv(["train.py", "--strategy=default", "--straggler_threshold=0.75"])
+>>> _ = fv(["train.py", "--strategy=default", "--straggler_threshold=0.2"])
 >>> kwargs = kd_flags.fit_kwargs(fv)
 >>> kwargs["strategy"], [type(c).__name__ for c in kwargs["callbacks"]]
 ('default', ['StragglerDetector'])
@@ -505,24 +505,24 @@ def _define_straggler(fv):
     from keras_dist.callbacks import StragglerDetector
 
     absl_flags.DEFINE_float(
-        "straggler_threshold", None, "Add a StragglerDetector: flag a worker whose median "
-        "step is slower than the fastest's / threshold (score below it); "
+        "straggler_threshold", None, "Add a StragglerDetector: flag a worker that costs "
+        "the job more than this share of its time; "
         f"{_signature_default(StragglerDetector, 'threshold')} is the usual value. "
         "Unset or 0: no detector.", flag_values=fv)
     absl_flags.DEFINE_integer(
         "straggler_window", _signature_default(StragglerDetector, "window"),
-        "StragglerDetector: steps per worker in the rolling median.", flag_values=fv)
+        "StragglerDetector: steps in the rolling window.", flag_values=fv)
     absl_flags.DEFINE_enum(
         "straggler_action", _signature_default(StragglerDetector, "action"),
         ["warn", "raise"], "StragglerDetector: log a line, or stop training with "
         "StragglerError, when a worker becomes a straggler.", flag_values=fv)
     _validate(fv, "straggler_threshold", lambda v: v is None or 0 <= v < 1,
-              "must be in the range (0, 1) (a worker is flagged when fastest median / its "
-              "median falls below it), or 0 / unset for no detector.")
+              "must be in the range (0, 1) (a worker is flagged when it costs the job more "
+              "than this share of its time), or 0 / unset for no detector.")
     _validate(fv, "straggler_window", lambda v: v >= 2, "must be an integer >= 2.")
     _needs(fv, "straggler_threshold", ["straggler_window", "straggler_action"], bool,
            "StragglerDetector settings, but the detector is off. Pass "
-           "--straggler_threshold (e.g. 0.75) too, or leave them out.")
+           "--straggler_threshold (e.g. 0.2) too, or leave them out.")
 
 
 def _define_metrics(fv):

@@ -47,7 +47,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from typing import Dict
 
 import tensorflow as tf

@@ -49,7 +49,7 @@ def test_defaults():
     assert (fv.gap_aware_beta, fv.gap_aware_epsilon) == (0.999, 1e-8)
     assert (fv.local_steps, fv.outer_learning_rate, fv.outer_momentum) == (1, 1.0, 0.0)
     assert fv.straggler_threshold is None
-    assert (fv.straggler_window, fv.straggler_action) == (50, "warn")
+    assert (fv.straggler_window, fv.straggler_action) == (100, "warn")
     assert fv.tensorboard_dir is None and fv.per_replica_metrics is False
     assert fv.shard_min_bytes is None
 
@@ -147,7 +147,7 @@ def test_no_tensor_before_the_strategy():
         print("imported:", [m for m in ("tensorflow", "keras") if m in sys.modules])
         fv = flags.FlagValues()
         kd_flags.define_flags(fv)
-        fv(["train.py", "--strategy=multi_worker", "--straggler_threshold=0.75",
+        fv(["train.py", "--strategy=multi_worker", "--straggler_threshold=0.2",
             "--tensorboard_dir=LOGS", "--per_replica_metrics", "--staleness=gap_aware"])
         kwargs = kd_flags.fit_kwargs(fv)
         import tensorflow as tf
@@ -380,7 +380,7 @@ def test_fit_with_flags_end_to_end(tmp_path):
 
     (x, y), _ = load_digits()
     x, y = x[:256], y[:256]
-    fv = parsed("--strategy=default", "--staleness=dynsgd", "--straggler_threshold=0.75",
+    fv = parsed("--strategy=default", "--staleness=dynsgd", "--straggler_threshold=0.2",
                 "--straggler_window=4", f"--tensorboard_dir={tmp_path}")
 
     def build_model():

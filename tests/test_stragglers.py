@@ -182,7 +182,7 @@ def test_multiworker_worker_throttled_from_outside_is_flagged(tmp_path, period, 
     # Stopped and continued from outside: its computation is as fast as
     # ever when it runs, but the other worker waits for it at the all-reduce.
     result, _ = run(tmp_path, ps=0, outside=throttled("worker1", period, stopped))
-    first = assert_flags_only(result, "replica1")
+    assert_flags_only(result, "replica1")
     assert result["costs"]["replica0"] < THRESHOLD / 2
 
 

@@ -68,19 +68,29 @@ def build_model():
 class CountSteps(kd.callbacks.ReplicaCallback):
     """Steps each worker has reported so far (listed before the detector)."""
 
-    def __init__(self):
+    def __init__(self, out_dir):
         super().__init__()
-        self.counts = {}
+        self.counts, self.out_dir, self.job_steps = {}, out_dir, 0
 
     def on_replica_steps(self, batch, steps):
         for step in steps:
             self.counts[step.replica] = self.counts.get(step.replica, 0) + step.steps
+        # Synchronous: every replica did the same steps; asynchronous: one worker's.
+        self.job_steps += max(s.steps for s in steps)
+
+    def on_epoch_end(self, epoch, logs=None):
+        super().on_epoch_end(epoch, logs)
+        if self.is_chief:  # for benchmarks that start a slowdown mid-run
+            with open(os.path.join(self.out_dir, "progress.tmp"), "w") as f:
+                json.dump({"steps": self.job_steps, "time": time.time()}, f)
+            os.replace(os.path.join(self.out_dir, "progress.tmp"),
+                       os.path.join(self.out_dir, "progress"))
 
 
 def main(out_dir, epochs, window, threshold):
     (x, y), _ = load_digits()
     x, y = x[:1280], y[:1280]  # 20 batches of 64: equal batches on every replica
-    counter = CountSteps()
+    counter = CountSteps(out_dir)
     events = []
 
     started = time.perf_counter()
@@ -90,7 +100,9 @@ def main(out_dir, epochs, window, threshold):
                        "flagged": worker in detector.stragglers,
                        "steps_of_worker": counter.counts.get(worker, 0),
                        "counts": dict(counter.counts),
+                       "job_steps": counter.job_steps,
                        "seconds": time.perf_counter() - started,
+                       "time": time.time(),
                        "scores": dict(detector.scores)})
 
     detector = kd.callbacks.StragglerDetector(window=window, threshold=threshold,
