@@ -3,7 +3,7 @@ task by keras-dist-run: asynchronous with a ps task, MultiWorkerMirrored
 without. Slowdowns come from KERAS_DIST_SLOW_WORKER, set by the test.
 
 The chief writes what the tests check to out_dir/result.json.
-argv: out_dir epochs window threshold [churn, 0]. With churn > 0 each step
+argv: out_dir epochs window threshold [churn, 0] [batch, 64]. With churn > 0 each step
 also does that many 256x256 matrix products with a fixed (non-trainable)
 matrix: CPU-bound steps without more gradients to all-reduce.
 """
@@ -31,6 +31,7 @@ from keras_dist.datasets import load_digits  # noqa: E402
 
 
 CHURN = int(sys.argv[5]) if len(sys.argv) > 5 else 0
+BATCH = int(sys.argv[6]) if len(sys.argv) > 6 else 64
 
 
 class Churn(keras.layers.Layer):
@@ -89,7 +90,7 @@ class CountSteps(kd.callbacks.ReplicaCallback):
 
 def main(out_dir, epochs, window, threshold):
     (x, y), _ = load_digits()
-    x, y = x[:1280], y[:1280]  # 20 batches of 64: equal batches on every replica
+    x, y = x[:1280], y[:1280]  # 20 batches of 64 (or 80 of 16): equal on every replica
     counter = CountSteps(out_dir)
     events = []
 
@@ -108,7 +109,7 @@ def main(out_dir, epochs, window, threshold):
     detector = kd.callbacks.StragglerDetector(window=window, threshold=threshold,
                                                 action=action)
     metrics = kd.callbacks.PerReplicaMetrics(log_dir=os.path.join(out_dir, "tb"))
-    history = kd.fit(build_model, x, y, strategy=strategy, epochs=epochs, batch_size=64,
+    history = kd.fit(build_model, x, y, strategy=strategy, epochs=epochs, batch_size=BATCH,
                      verbose=2, callbacks=[counter, detector, metrics])
     if not detector.is_chief:
         return
