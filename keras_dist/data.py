@@ -103,6 +103,13 @@ def from_arrays(x, y=None, sample_weight=None, *, batch_size=None, shuffle=True,
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = (
         tf.data.experimental.AutoShardPolicy.DATA)
+    # Nothing here to tune (no parallel map, no prefetch of ours), and
+    # tf.data's autotuning thread makes deleting an iterator of this dataset
+    # wait for its next wake-up (the period doubles up to a minute): under
+    # MultiWorkerMirroredStrategy each epoch's iterator then took up to
+    # seconds to let go, and 17 short fits in a row spent most of their time
+    # idle (benchmarks/iterator_release.py).
+    options.autotune.enabled = False
     return dataset.with_options(options)
 
 

@@ -67,3 +67,33 @@ def pytest_sessionfinish(session):
     with open(path, "w") as f:
         json.dump({"tensorflow": tf.__version__, "keras": keras.version(),
                    "keras_dist": keras_dist.__file__, "tests": rows}, f, indent=1)
+
+
+@pytest.fixture
+def kd_messages():
+    """The messages logged on the "keras_dist" logger during the test, in order."""
+    import logging
+
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("keras_dist")
+    logger.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+
+
+@pytest.fixture(autouse=True)
+def _environment_without_putenv(monkeypatch):
+    """Every test sees `os.environ` as a private dict copy.
+
+    Setting a variable in the real `os.environ` calls setenv(3), which is
+    not safe while TensorFlow's C++ threads call getenv(3): CI once died of
+    a segfault right after a test that did. Tests that set variables
+    (`monkeypatch.setenv` included) change this copy, which Python code (ours,
+    TensorFlow's resolvers) reads; child processes get their environment
+    passed explicitly.
+    """
+    monkeypatch.setattr(os, "environ", dict(os.environ))
