@@ -225,14 +225,16 @@ def test_equal_workers_on_a_loaded_machine_are_never_flagged(tmp_path, ps):
     assert result["events"] == [], result["events"]
 
 
-def test_the_slow_worker_injection_says_when_it_is_active(kd_messages):
-    # A slowed worker must never be a silent surprise in a log.
+def test_the_slow_worker_injection_says_when_it_is_active(kd_messages, monkeypatch):
+    # A slowed worker must never be a silent surprise in a log. (os.environ
+    # is a private copy in tests: see conftest.)
     from keras_dist import testing as kd_testing
 
     lines = kd_messages
-    assert kd_testing.faults_from_env({}).slowed == {}
+    monkeypatch.delenv("KERAS_DIST_SLOW_WORKER", raising=False)
+    assert kd_testing.faults_from_env().slowed == {}
     assert lines == []
-    assert kd_testing.faults_from_env(
-        {"KERAS_DIST_SLOW_WORKER": "1:3,0:1.5"}).slowed == {1: 3.0, 0: 1.5}
+    monkeypatch.setenv("KERAS_DIST_SLOW_WORKER", "1:3,0:1.5")
+    assert kd_testing.faults_from_env().slowed == {1: 3.0, 0: 1.5}
     assert lines == ["keras_dist: KERAS_DIST_SLOW_WORKER=1:3,0:1.5: slowing worker 0 x1.5, "
                      "worker 1 x3 (fault injection for tests and demos)"]
