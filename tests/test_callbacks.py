@@ -57,6 +57,23 @@ def feed_sync(detector, clock, compute, late=None, comm=0.0005, start_batch=0):
     return n
 
 
+def test_a_replica_stopped_while_it_waits_does_not_blame_the_others():
+    # Worker 1 arrives first and is stopped inside the all-reduce for 40 ms
+    # every third step: on its own clock it "waited" those 40 ms for replica
+    # 0, yet its process could not run (the stall probe saw it). The cost is
+    # worker 1's, never replica 0's. (A real run flagged replica 0 so.)
+    detector, clock = detector_on_clock(window=30, action=lambda *a: None)
+    for i in range(90):
+        pause = 0.04 if i % 3 == 0 else 0.0
+        clock.now += 0.01 + pause
+        detector.on_replica_steps(i, [
+            ReplicaStep("replica0", 1, 0.01, waited=0.0005, stalled=0.0),
+            ReplicaStep("replica1", 1, 0.009, waited=0.0015 + pause, stalled=pause)])
+        detector.on_train_batch_end(i, {})
+    assert detector.costs["replica0"] < 0.05, detector.costs
+    assert detector.stragglers == {"replica1"}, detector.costs
+
+
 def feed_async(detector, clock, durations, start_batch=0):
     """Asynchronous steps: each worker runs its steps back to back
     (`durations[w][i]` wall seconds each, compute and pauses alike); the chief

@@ -253,6 +253,10 @@ class StragglerDetector(ReplicaCallback):
             np.nan_to_num(np.array([[e[2].get(w, (0, 0.0, 0.0))[i] for w in workers]
                                     for e in self._executions]))
             for i in (1, 2))
+        # A process stopped while it waited at the all-reduce (arrived
+        # first, then paused) reads the pause on its own clock as waiting:
+        # time its process could not run is not time it waited for others.
+        waited = np.maximum(0.0, waited - stalled)
         costs = {}
         for r, worker in enumerate(workers):
             # Late at the all-reduce: the others waited for it there.
