@@ -144,7 +144,11 @@ def test_a_killed_worker_is_restarted_and_training_completes(tmp_path):
     duplicates = result["version"] - result["scheduled"]
     assert 0 <= duplicates <= 4, result["version"]
     assert result["test_accuracy"] >= 0.9
-    assert result["updates_per_worker"].get("1", 0) > 0  # the restarted worker is back
+    # The restarted worker is back: it does updates in some epoch after the
+    # kill (epoch 3). Not necessarily in the last one: on a slow host its
+    # restart (a new process importing TensorFlow) took most of the run.
+    after_kill = result["updates_per_epoch"][3:]
+    assert any(epoch.get("1", 0) > 0 for epoch in after_kill), after_kill
 
 
 def test_custom_train_step_runs_on_parameter_servers(tmp_path):

@@ -1,7 +1,7 @@
 """Longer asynchronous digits training, for worker-failure tests.
 
 argv: out_dir [epochs]. The chief writes out_dir/result.json (version, scheduled,
-test accuracy, per-epoch logs).
+test accuracy, per-epoch logs, each epoch's updates per worker).
 """
 
 import json
@@ -33,13 +33,17 @@ def main(out_dir):
         model = kd.AsyncModel(inputs, keras.layers.Dense(10, activation="softmax")(hidden))
         model.compile(keras.optimizers.SGD(0.05, momentum=0.9),
                       "sparse_categorical_crossentropy", metrics=["accuracy"])
-    history = model.fit(x, y, epochs=EPOCHS, steps_per_epoch=STEPS, batch_size=32, verbose=2)
+    per_epoch = []  # each epoch's updates per worker (staleness_stats holds the last)
+    record = keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: per_epoch.append(
+        {str(k): v for k, v in model.staleness_stats.updates_per_worker().items()}))
+    history = model.fit(x, y, epochs=EPOCHS, steps_per_epoch=STEPS, batch_size=32, verbose=2,
+                        callbacks=[record])
     accuracy = model.evaluate(x_test, y_test, return_dict=True, verbose=0)["accuracy"]
     with open(os.path.join(out_dir, "result.json"), "w") as f:
         json.dump({"version": model.version, "scheduled": EPOCHS * STEPS,
                    "test_accuracy": accuracy, "history": history.history,
-                   "updates_per_worker": {str(k): v for k, v in
-                                          model.staleness_stats.updates_per_worker().items()}},
+                   "updates_per_epoch": per_epoch,
+                   "updates_per_worker": per_epoch[-1]},
                   f)
 
 
