@@ -145,8 +145,8 @@ def test_a_killed_worker_is_restarted_and_training_completes(tmp_path):
     assert 0 <= duplicates <= 4, result["version"]
     assert result["test_accuracy"] >= 0.9
     # The restarted worker is back: it does updates in some epoch after the
-    # kill (epoch 3). Not necessarily in the last one: on a slow host its
-    # restart (a new process importing TensorFlow) took most of the run.
+    # kill (epoch 3), not necessarily in the last one (CI on a slow host saw
+    # none from it in the last epoch; whether it had worked before is unknown).
     after_kill = result["updates_per_epoch"][3:]
     assert any(epoch.get("1", 0) > 0 for epoch in after_kill), after_kill
 

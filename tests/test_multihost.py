@@ -70,6 +70,7 @@ def test_async_training_survives_a_cut_link_and_uses_the_worker_again(tmp_path):
         cut_for = time.monotonic() - cut_time
         print(f"worker 1 cut off for {cut_for:.1f} s; training went {during_cut} epochs on")
         hosts.restore(3)
+        restored_in = epoch()  # 1-based, the epoch in progress
         try:
             chief.wait(max(1, deadline - time.monotonic()))
         except Exception:
@@ -81,8 +82,10 @@ def test_async_training_survives_a_cut_link_and_uses_the_worker_again(tmp_path):
     assert "Worker /job:worker/replica:0/task:1 failed with UnavailableError" in text
     with open(tmp_path / "result.json") as f:
         result = json.load(f)
-    # ... and used worker 1 again after the link came back.
-    assert result["updates_per_worker"].get("1", 0) > 0, result["updates_per_worker"]
+    # ... and used worker 1 again after the link came back, in some epoch
+    # from then on (not necessarily the last).
+    after = result["updates_per_epoch"][restored_in - 1:]
+    assert any(e.get("1", 0) > 0 for e in after), (restored_in, result["updates_per_epoch"])
     # Nothing lost; at most a few steps in flight at the cut applied twice.
     assert 0 <= result["version"] - result["scheduled"] <= 4, result["version"]
     assert result["test_accuracy"] >= 0.9

@@ -42,8 +42,7 @@ def main(out_dir):
     with open(os.path.join(out_dir, "result.json"), "w") as f:
         json.dump({"version": model.version, "scheduled": EPOCHS * STEPS,
                    "test_accuracy": accuracy, "history": history.history,
-                   "updates_per_epoch": per_epoch,
-                   "updates_per_worker": per_epoch[-1]},
+                   "updates_per_epoch": per_epoch},
                   f)
 
 
