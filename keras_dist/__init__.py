@@ -72,6 +72,14 @@ def __dir__():
     return sorted(set(globals()) | set(__all__))
 
 
+# `keras.saving.load_model` finds AsyncModel and the optimizer wrappers by their
+# registered names once `import keras_dist` ran, whichever of keras / keras_dist
+# is imported first (see _registration).
+from keras_dist import _registration  # noqa: E402
+
+_registration.install()
+
+
 _logger = logging.getLogger("keras_dist")
 if not _logger.handlers:
     # Like TensorFlow's own logger: one line per decision on stderr by default;

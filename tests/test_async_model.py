@@ -116,6 +116,48 @@ def test_keras_save_load_round_trip(tmp_path, data):
     loaded.fit(x, y, epochs=1, verbose=0)  # and training continues
 
 
+LOAD_IN_A_FRESH_PROCESS = """
+import sys
+{first}
+{second}
+import numpy as np
+model = keras.saving.load_model(sys.argv[1])
+print(type(model).__name__, keras.saving.get_registered_name(type(model)),
+      type(model.optimizer).__name__, type(model.optimizer.inner_optimizer).__name__)
+np.save(sys.argv[2], model.predict(np.load(sys.argv[3]), verbose=0))
+"""
+
+
+@pytest.mark.parametrize("first, second", [
+    ("import keras_dist", "import keras"),
+    ("import keras", "import keras_dist"),
+], ids=["keras_dist-first", "keras-first"])
+def test_saved_async_model_loads_in_a_fresh_process_after_import_keras_dist(
+        tmp_path, data, first, second):
+    """A user's process that only imported keras_dist (not kd.AsyncModel or
+    kd.optimizers) loads a saved AsyncModel compiled with a wrapper."""
+    import subprocess
+    import sys
+
+    x, y = data
+    inputs = keras.Input((5,))
+    hidden, out = layers()
+    model = kd.AsyncModel(inputs, out(hidden(inputs)))
+    model.compile(kd.optimizers.DynSGD(keras.optimizers.SGD(0.05)), "binary_crossentropy")
+    with pytest.warns(UserWarning):  # a staleness-aware wrapper outside parameter servers
+        model.fit(x, y, epochs=1, verbose=0)
+    model.save(tmp_path / "m.keras")
+    np.save(tmp_path / "x.npy", x)
+    script = LOAD_IN_A_FRESH_PROCESS.format(first=first, second=second)
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "m.keras"), str(tmp_path / "p.npy"),
+         str(tmp_path / "x.npy")], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["AsyncModel", "keras_dist>AsyncModel", "DynSGD", "SGD"]
+    np.testing.assert_allclose(np.load(tmp_path / "p.npy"), model.predict(x, verbose=0),
+                               atol=1e-6)
+
+
 def test_async_input_errors_are_clear():
     import tensorflow as tf
 
