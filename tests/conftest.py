@@ -69,6 +69,53 @@ def pytest_sessionfinish(session):
                    "keras_dist": keras_dist.__file__, "tests": rows}, f, indent=1)
 
 
+# ------------------------------------------------------------ a shared cluster
+# Tests whose chief script needs nothing of its own from the cluster (no
+# process killed or slowed, no state from before the strategy) share ONE
+# `keras-dist-run --workers 2 --ps 1` run: starting a cluster (four
+# processes importing TensorFlow, ~10 s on 2 cores) costs more than most of
+# these scripts take. "module::test id" -> (script, arguments after out_dir),
+# in the order they run; raising NonFiniteUpdateError goes last.
+SHARED_SCENARIOS = {
+    "test_async::test_async_digits_training[1]": ("ps_train.py", "1"),
+    "test_async::test_async_digits_training[5]": ("ps_train.py", "5"),
+    "test_async::test_every_staleness_aware_wrapper_trains_asynchronously": (
+        "ps_wrappers.py",),
+    "test_async::test_wrappers_under_mixed_precision_train_asynchronously": (
+        "ps_wrappers.py", "mixed"),
+    "test_async::test_no_retracing_under_parameter_servers": ("ps_traces.py",),
+    "test_local_steps::test_local_steps_on_a_real_cluster": ("ps_local.py",),
+    "test_async::test_nonfinite_updates_are_skipped_and_counted_or_raise[skip]": (
+        "ps_nonfinite.py", "skip"),
+    "test_async::test_nonfinite_updates_are_skipped_and_counted_or_raise[raise]": (
+        "ps_nonfinite.py", "raise"),
+}
+
+
+def _scenario_key(item):
+    return f"{item.module.__name__}::{item.name}"
+
+
+class _SharedResults:
+    def __init__(self, cluster):
+        self.cluster = cluster
+
+    def result(self, node):
+        """`node`'s (a test item's) script result and the launcher's output."""
+        return self.cluster.result(_scenario_key(node))
+
+
+@pytest.fixture(scope="session")
+def shared_cluster(request, tmp_path_factory):
+    """The session's shared cluster: one run of the `SHARED_SCENARIOS` of the
+    tests selected, started by the first test that asks for it."""
+    from procs import SharedCluster
+
+    selected = {_scenario_key(item) for item in request.session.items}
+    scenarios = {key: value for key, value in SHARED_SCENARIOS.items() if key in selected}
+    return _SharedResults(SharedCluster(tmp_path_factory.mktemp("shared_cluster"), scenarios))
+
+
 @pytest.fixture
 def kd_messages():
     """The messages logged on the "keras_dist" logger during the test, in order."""

@@ -5,6 +5,7 @@ anything it started; `ProcessGroup` is a context manager that does so on any
 exit, including a failing assertion or a timeout.
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -72,3 +73,41 @@ class ProcessGroup:
 
     def __exit__(self, *exc):
         self.kill_all()
+
+
+# A shared cluster runs every selected script in turn: ~2.5 min here, 4-5
+# with a CPU hog beside it; charged to the first test that uses it.
+SHARED_TIMEOUT = 780
+
+
+class SharedCluster:
+    """One `keras-dist-run --workers 2 --ps 1` run of several chief scripts.
+
+    `scenarios` maps a key to (script in tests/scripts/, its arguments after
+    out_dir). tests/scripts/ps_scenarios.py runs them in that order in one
+    chief process, each with an out_dir of its own. `result(key)` gives a
+    script's result.json and the launcher's output, or fails with what went
+    wrong (the script's traceback, else the launcher's output).
+    """
+
+    def __init__(self, root, scenarios):
+        self.dirs, self.scripts, plan = {}, dict(scenarios), []
+        for key, (script, *args) in scenarios.items():
+            out_dir = root / f"scenario{len(plan)}"
+            out_dir.mkdir()
+            self.dirs[key] = out_dir
+            plan.append({"script": script, "args": [str(out_dir), *args]})
+        (root / "plan.json").write_text(json.dumps(plan))
+        cmd = [sys.executable, "-m", "keras_dist.launch", "--workers", "2", "--ps", "1",
+               "--", sys.executable, "tests/scripts/ps_scenarios.py", str(root / "plan.json")]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
+                              timeout=SHARED_TIMEOUT)
+        self.returncode, self.output = proc.returncode, proc.stdout + proc.stderr
+
+    def result(self, key):
+        out_dir = self.dirs[key]
+        error = out_dir / "error.txt"
+        assert not error.exists(), f"{self.scripts[key]} raised:\n{error.read_text()[-4000:]}"
+        assert self.returncode == 0, self.output[-6000:]
+        with open(out_dir / "result.json") as f:
+            return json.load(f), self.output

@@ -4,11 +4,10 @@ The tests run `keras-dist-run --workers 2 --ps 1` (chief, 2 workers, 1 ps:
 four processes on loopback) with a chief script of tests/scripts/ (e.g.
 ps_train.py, which trains the digits MLP with keras_dist.fit) that writes
 what the chief saw. Starting a cluster costs more than most of these
-scripts take, so the tests listed in `SHARED` run their scripts one after
-another in ONE cluster (tests/scripts/ps_scenarios.py), started once for
-the tests selected; each test checks its own script's result. The others
-need a cluster of their own (a worker killed, a dataset made before the
-strategy).
+scripts take, so most tests here take their results from the session's
+shared cluster (`shared_cluster` in conftest.py: their scripts run one
+after another in ONE cluster). The others need a cluster of their own (a
+worker killed, a dataset made before the strategy).
 """
 
 import json
@@ -17,80 +16,15 @@ import sys
 
 import pytest
 
-from procs import REPO
+from procs import REPO, SHARED_TIMEOUT
 
-# A shared cluster runs every selected script in turn: ~2 min here, 3-4
-# with a CPU hog beside it; charged to the first test that uses it.
-SHARED_TIMEOUT = 780
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(SHARED_TIMEOUT + 60)]
-
-# Test id -> (chief script, its arguments after out_dir), in the order they
-# run. Raising NonFiniteUpdateError goes last: nothing runs after an error.
-SHARED = {
-    "test_async_digits_training[1]": ("ps_train.py", "1"),
-    "test_async_digits_training[5]": ("ps_train.py", "5"),
-    "test_every_staleness_aware_wrapper_trains_asynchronously": ("ps_wrappers.py",),
-    "test_wrappers_under_mixed_precision_train_asynchronously": ("ps_wrappers.py", "mixed"),
-    "test_no_retracing_under_parameter_servers": ("ps_traces.py",),
-    "test_nonfinite_updates_are_skipped_and_counted_or_raise[skip]": ("ps_nonfinite.py", "skip"),
-    "test_nonfinite_updates_are_skipped_and_counted_or_raise[raise]": (
-        "ps_nonfinite.py", "raise"),
-}
-
-
-class SharedCluster:
-    """One launcher run of every selected test's script; `result(test id)`."""
-
-    def __init__(self, root, names):
-        self.root, self.dirs = root, {}
-        plan = []
-        for name in names:
-            script, *args = SHARED[name]
-            out_dir = root / f"scenario{len(plan)}"
-            out_dir.mkdir()
-            self.dirs[name] = out_dir
-            plan.append({"script": script, "args": [str(out_dir), *args]})
-        (root / "plan.json").write_text(json.dumps(plan))
-        cmd = [sys.executable, "-m", "keras_dist.launch", "--workers", "2", "--ps", "1",
-               "--", sys.executable, "tests/scripts/ps_scenarios.py", str(root / "plan.json")]
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
-                              timeout=SHARED_TIMEOUT)
-        self.returncode, self.output = proc.returncode, proc.stdout + proc.stderr
-
-    def result(self, name):
-        """The chief's result.json of test `name`'s script, and the launcher's output."""
-        out_dir = self.dirs[name]
-        error = out_dir / "error.txt"
-        assert not error.exists(), f"{SHARED[name]} raised:\n{error.read_text()[-4000:]}"
-        assert self.returncode == 0, self.output[-6000:]
-        with open(out_dir / "result.json") as f:
-            return json.load(f), self.output
-
-
-@pytest.fixture(scope="module")
-def shared(request, tmp_path_factory):
-    """The shared cluster's results, for the `SHARED` tests selected in this session."""
-    names = [item.name for item in request.session.items
-             if item.module is sys.modules[__name__] and item.name in SHARED]
-    names.sort(key=list(SHARED).index)
-    return SharedCluster(tmp_path_factory.mktemp("shared_cluster"), names)
-
-
-def run_script(tmp_path, script, *args, ps=1, timeout=300):
-    """Runs tests/scripts/<script> on a local cluster (2 workers, `ps` ps);
-    returns the chief's result.json and the launcher's output."""
-    cmd = [sys.executable, "-m", "keras_dist.launch", "--workers", "2", "--ps", str(ps),
-           "--", sys.executable, f"tests/scripts/{script}", str(tmp_path), *args]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    with open(tmp_path / "result.json") as f:
-        return json.load(f), proc.stdout
 
 
 @pytest.mark.compat("async")
 @pytest.mark.parametrize("steps_per_execution", ["1", "5"])
-def test_async_digits_training(request, shared, steps_per_execution):
-    result, output = shared.result(request.node.name)
+def test_async_digits_training(request, shared_cluster, steps_per_execution):
+    result, output = shared_cluster.result(request.node)
     # Learns: the digits MLP reaches >= 0.90 test accuracy.
     assert result["test_accuracy"] >= 0.90, result
     # Exactly as many updates as steps scheduled: none lost, none doubled.
@@ -122,8 +56,8 @@ def test_async_digits_training(request, shared, steps_per_execution):
 
 
 @pytest.mark.compat("wrappers")
-def test_every_staleness_aware_wrapper_trains_asynchronously(request, shared):
-    results, _ = shared.result(request.node.name)
+def test_every_staleness_aware_wrapper_trains_asynchronously(request, shared_cluster):
+    results, _ = shared_cluster.result(request.node)
     assert sorted(results) == ["DCASGD", "DCASGD-adaptive", "DynSGD", "GapAware",
                                "StalenessLimit", "StalenessScaled"]
     for name, result in results.items():
@@ -140,11 +74,11 @@ def test_every_staleness_aware_wrapper_trains_asynchronously(request, shared):
         assert (dropped > 0) == (mean_tau > 0)
 
 
-def test_wrappers_under_mixed_precision_train_asynchronously(request, shared):
+def test_wrappers_under_mixed_precision_train_asynchronously(request, shared_cluster):
     """mixed_float16: Keras' compile puts its LossScaleOptimizer outside the
     wrapper chain, so the wrappers see unscaled gradients; mixed_bfloat16 has
     no loss scaling. Both train the digits as well as float32 does."""
-    results, _ = shared.result(request.node.name)
+    results, _ = shared_cluster.result(request.node)
     assert results["float16-DCASGD"]["optimizer_chain"] == [
         "LossScaleOptimizer", "DCASGD", "SGD"]
     assert results["bfloat16-GapAware"]["optimizer_chain"] == ["GapAware", "SGD"]
@@ -154,9 +88,9 @@ def test_wrappers_under_mixed_precision_train_asynchronously(request, shared):
 
 
 @pytest.mark.parametrize("mode", ["skip", "raise"])
-def test_nonfinite_updates_are_skipped_and_counted_or_raise(request, shared, mode):
+def test_nonfinite_updates_are_skipped_and_counted_or_raise(request, shared_cluster, mode):
     """One in 60 training digits is NaN, so some batches give NaN gradients."""
-    result, _ = shared.result(request.node.name)
+    result, _ = shared_cluster.result(request.node)
     if mode == "raise":
         assert result["error"].startswith("NonFiniteUpdateError: In epoch ")
         assert "gradients are not finite" in result["error"]
@@ -235,11 +169,11 @@ def test_custom_train_step_runs_on_parameter_servers(tmp_path):
     assert early["test_accuracy"] >= 0.8
 
 
-def test_no_retracing_under_parameter_servers(request, shared):
+def test_no_retracing_under_parameter_servers(request, shared_cluster):
     """Two fits of 3 epochs with validation, two evaluates and three
     predicts of other sizes trace each step once (predict: once more for a
     smaller last batch); local steps trace their round once for both fits."""
-    counts, _ = shared.result(request.node.name)
+    counts, _ = shared_cluster.result(request.node)
     assert counts["first_fit"]["train_step"] == 1
     assert counts["first_fit"]["test_step"] == 1
     assert counts["second_fit"]["train_step"] == 1

@@ -15,6 +15,7 @@ import tensorflow as tf
 
 import keras_dist as kd
 from keras_dist import stateless
+from procs import SHARED_TIMEOUT
 
 OPTIMIZERS = {
     "sgd": lambda: keras.optimizers.SGD(0.1),
@@ -90,10 +91,9 @@ def test_outer_optimizer_must_be_an_optimizer():
 
 @pytest.mark.compat("local steps")
 @pytest.mark.multiprocess
-def test_local_steps_on_a_real_cluster(tmp_path):
-    from test_async import run_script
-
-    result, _ = run_script(tmp_path, "ps_local.py", timeout=600)
+@pytest.mark.timeout(SHARED_TIMEOUT + 60)  # it may be the one that starts the shared cluster
+def test_local_steps_on_a_real_cluster(request, shared_cluster):
+    result, _ = shared_cluster.result(request.node)
     # One worker, one round of K=4 steps: Keras' own 4 steps, for SGD,
     # momentum and Adam (weights within one float rounding, slots exact).
     for name, check in result["one_round"].items():

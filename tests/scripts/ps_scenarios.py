@@ -2,7 +2,8 @@
 
 A cluster costs more to start (four processes importing TensorFlow: about
 10 s on 2 cores) than most scenarios take to train, so tests that need
-nothing of their own from the cluster share one (tests/test_async.py).
+nothing of their own from the cluster share one (`shared_cluster` in
+tests/conftest.py; tests/procs.py starts it).
 
 argv: plan.json, a list of {"script": "ps_train.py", "args": [out_dir, ...]}.
 The chief runs each script as `__main__`, in order, with `sys.argv` set to
