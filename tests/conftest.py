@@ -75,8 +75,10 @@ def pytest_sessionfinish(session):
 # `keras-dist-run --workers 2 --ps 1` run: starting a cluster (four
 # processes importing TensorFlow, ~10 s on 2 cores) costs more than most of
 # these scripts take. "module::test id" -> (script, arguments after out_dir),
-# in the order they run; raising NonFiniteUpdateError goes last.
+# in the order they run. ps_custom_step.py goes first: it makes a dataset
+# before the strategy connects the chief; raising NonFiniteUpdateError last.
 SHARED_SCENARIOS = {
+    "test_async::test_custom_train_step_runs_on_parameter_servers": ("ps_custom_step.py",),
     "test_async::test_async_digits_training[1]": ("ps_train.py", "1"),
     "test_async::test_async_digits_training[5]": ("ps_train.py", "5"),
     "test_async::test_every_staleness_aware_wrapper_trains_asynchronously": (

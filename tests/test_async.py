@@ -6,8 +6,8 @@ ps_train.py, which trains the digits MLP with keras_dist.fit) that writes
 what the chief saw. Starting a cluster costs more than most of these
 scripts take, so most tests here take their results from the session's
 shared cluster (`shared_cluster` in conftest.py: their scripts run one
-after another in ONE cluster). The others need a cluster of their own (a
-worker killed, a dataset made before the strategy).
+after another in ONE cluster). The killed-worker test needs a cluster of
+its own.
 """
 
 import json
@@ -156,11 +156,11 @@ def test_a_killed_worker_is_restarted_and_training_completes(tmp_path):
     assert any(epoch.get("1", 0) > 0 for epoch in after_kill), after_kill
 
 
-def test_custom_train_step_runs_on_parameter_servers(tmp_path):
+def test_custom_train_step_runs_on_parameter_servers(request, shared_cluster):
     """A user's train_step is the unit of work: its loss weighting reaches
     the update (weight 0: the weights do not move at all) and its own metric
     counts every call exactly, while two workers update it concurrently."""
-    result, _ = run_script(tmp_path, "ps_custom_step.py")
+    result, _ = shared_cluster.result(request.node)
     steps_per_epoch = result["steps"] // 3
     for name in ("frozen", "learning"):
         run = result[name]

@@ -7,8 +7,8 @@ tests/conftest.py; tests/procs.py starts it).
 
 argv: plan.json, a list of {"script": "ps_train.py", "args": [out_dir, ...]}.
 The chief runs each script as `__main__`, in order, with `sys.argv` set to
-its arguments. The strategy is built once (kd.resolve_strategy keeps it per
-process); before each script the Keras settings a script may change (the
+its arguments. The strategy is built once, by the first script
+(kd.resolve_strategy keeps it per process); before each script the Keras settings a script may change (the
 dtype policy) are reset. A script that raises writes the traceback to its
 out_dir/error.txt, and the next one runs. Workers and the ps serve.
 """
@@ -17,15 +17,17 @@ import json
 import os
 import runpy
 import sys
+import time
 import traceback
-
-import tensorflow as tf
 
 import keras_dist as kd
 
-strategy = kd.resolve_strategy()
-if not isinstance(strategy, tf.distribute.ParameterServerStrategy):
-    kd.serve()
+cluster = kd.ClusterConfig.from_env()
+if cluster is not None and cluster.task_type in ("worker", "ps"):
+    kd.serve(cluster)
+# The chief connects when the first script calls kd.resolve_strategy(), not
+# here: that script may make a dataset first, before TensorFlow knows the
+# cluster (ps_custom_step.py does: a user's mistake that must still train).
 
 import keras  # noqa: E402
 
@@ -37,15 +39,17 @@ def main(plan_path):
         plan = json.load(f)
     for scenario in plan:
         script, args = os.path.join(HERE, scenario["script"]), scenario["args"]
-        print(f"[scenario] {scenario['script']} {' '.join(args[1:])}".rstrip(), flush=True)
+        name = f"{scenario['script']} {' '.join(args[1:])}".rstrip()
+        print(f"[scenario] {name}", flush=True)
         keras.config.set_dtype_policy("float32")
         sys.argv = [script, *args]
+        start = time.monotonic()
         try:
             runpy.run_path(script, run_name="__main__")
         except BaseException:  # noqa: BLE001  (SystemExit too: the next one runs)
             with open(os.path.join(args[0], "error.txt"), "w") as f:
                 f.write(traceback.format_exc())
-        sys.stdout.flush()
+        print(f"[scenario] {name}: {time.monotonic() - start:.1f} s", flush=True)
 
 
 if __name__ == "__main__":
