@@ -213,7 +213,11 @@ def test_multiworker_worker_sharing_its_core_with_cpu_hogs_is_flagged(tmp_path):
     result, _ = run(tmp_path, ps=0, epochs=4, churn=300, threshold=0.1,
                     outside=lambda pids: sharing_a_core(pids, "worker1", "worker0", hogs=3))
     first = assert_flags_only(result, "replica1", threshold=0.1)
-    assert first["scores"]["replica1"] < 0.75  # and its computation says why
+    # And its computation says why: it computes slower than the other replica.
+    # (Not a fixed bound: with another busy process on the machine, worker 0's
+    # core is shared too; a fresh-clone run beside a busy loop saw 0.806
+    # where quiet runs see ~0.52.)
+    assert first["scores"]["replica1"] < first["scores"]["replica0"], first
 
 
 def test_async_worker_throttled_from_outside_is_flagged(tmp_path):
