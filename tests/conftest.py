@@ -94,28 +94,15 @@ SHARED_SCENARIOS = {
 }
 
 
-def _scenario_key(item):
-    return f"{item.module.__name__}::{item.name}"
-
-
-class _SharedResults:
-    def __init__(self, cluster):
-        self.cluster = cluster
-
-    def result(self, node):
-        """`node`'s (a test item's) script result and the launcher's output."""
-        return self.cluster.result(_scenario_key(node))
-
-
 @pytest.fixture(scope="session")
 def shared_cluster(request, tmp_path_factory):
     """The session's shared cluster: one run of the `SHARED_SCENARIOS` of the
     tests selected, started by the first test that asks for it."""
-    from procs import SharedCluster
+    from procs import SharedCluster, scenario_key
 
-    selected = {_scenario_key(item) for item in request.session.items}
+    selected = {scenario_key(item) for item in request.session.items}
     scenarios = {key: value for key, value in SHARED_SCENARIOS.items() if key in selected}
-    return _SharedResults(SharedCluster(tmp_path_factory.mktemp("shared_cluster"), scenarios))
+    return SharedCluster(tmp_path_factory.mktemp("shared_cluster"), scenarios)
 
 
 @pytest.fixture

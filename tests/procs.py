@@ -80,13 +80,18 @@ class ProcessGroup:
 SHARED_TIMEOUT = 780
 
 
+def scenario_key(item):
+    """A test item's key in a shared cluster's scenarios: "module::test id"."""
+    return f"{item.module.__name__}::{item.name}"
+
+
 class SharedCluster:
     """One `keras-dist-run --workers 2 --ps 1` run of several chief scripts.
 
-    `scenarios` maps a key to (script in tests/scripts/, its arguments after
+    `scenarios` maps a test's `scenario_key` to (script in tests/scripts/, its arguments after
     out_dir). tests/scripts/ps_scenarios.py runs them in that order in one
-    chief process, each with an out_dir of its own. `result(key)` gives a
-    script's result.json and the launcher's output, or fails with what went
+    chief process, each with an out_dir of its own. `result(item)` gives a
+    script's result.json and the launcher's output for a test item, or fails with what went
     wrong (the script's traceback, else the launcher's output).
     """
 
@@ -104,7 +109,8 @@ class SharedCluster:
                               timeout=SHARED_TIMEOUT)
         self.returncode, self.output = proc.returncode, proc.stdout + proc.stderr
 
-    def result(self, key):
+    def result(self, item):
+        key = scenario_key(item)
         out_dir = self.dirs[key]
         error = out_dir / "error.txt"
         assert not error.exists(), f"{self.scripts[key]} raised:\n{error.read_text()[-4000:]}"
