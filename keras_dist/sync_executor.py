@@ -99,9 +99,13 @@ class SyncExecutor(driver.Executor):
     def release(self):
         if self._train_fns is not None:
             self._train_fns.close()
+        data_lib.release_iterator(self._iterator)
+        self._iterator = None
 
     def train_epoch(self, train_input):
         if not train_input.repeats:
+            data_lib.release_iterator(self._iterator)  # last epoch's, off this thread
+            self._iterator = None
             self._iterator = iter(train_input.dataset)
         self.ran_out = False
         self._train_fns.restart_stall_count()
@@ -119,12 +123,17 @@ class SyncExecutor(driver.Executor):
         model.reset_metrics()
         callbacks.on_test_begin()
         logs = {}
-        for event in self._eval_fns.steps(iter(eval_input.dataset), eval_input.steps):
+        iterator = iter(eval_input.dataset)
+        events = self._eval_fns.steps(iterator, eval_input.steps)
+        for event in events:
             if isinstance(event, driver.BatchBegin):
                 callbacks.on_test_batch_begin(event.batch)
                 continue
             logs = event.logs
             callbacks.on_test_batch_end(event.batch, logs)
+        events.close()
+        data_lib.release_iterator(iterator)
+        iterator = None
         logs = driver.metrics_or_logs(model, logs)
         callbacks.on_test_end(logs)
         return logs
