@@ -6,6 +6,7 @@ plus the number of steps in one pass over it. Only used where Keras' own
 data handling cannot be (see `keras_dist.driver`).
 """
 
+import atexit
 import dataclasses
 import math
 import numbers
@@ -128,23 +129,41 @@ class _Releaser:
     happens beside training instead of in it.
     """
 
+    _STOP = object()
+
     def __init__(self):
         self._queue = queue.SimpleQueue()
         self._thread = None
+        self._stopped = False
         self._lock = threading.Lock()
 
     def release(self, obj):
         with self._lock:
+            if self._stopped:  # the interpreter is exiting: delete it here
+                return
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="keras_dist-iterator-release", daemon=True)
                 self._thread.start()
-        self._queue.put(obj)
+                atexit.register(self._drain)
+            self._queue.put(obj)
 
     def _run(self):
         while True:
             obj = self._queue.get()
+            if obj is self._STOP:
+                return
             del obj  # the last reference: the iterator's destructor runs here
+
+    def _drain(self):
+        """At exit, before the interpreter stops its daemon threads: one
+        stopped in the middle of TensorFlow's destructor could abort the
+        process (a training script would then exit non-zero)."""
+        with self._lock:
+            self._stopped = True
+            thread = self._thread
+        self._queue.put(self._STOP)
+        thread.join()
 
 
 _releaser = _Releaser()
