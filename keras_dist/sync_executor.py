@@ -124,14 +124,12 @@ class SyncExecutor(driver.Executor):
         callbacks.on_test_begin()
         logs = {}
         iterator = iter(eval_input.dataset)
-        events = self._eval_fns.steps(iterator, eval_input.steps)
-        for event in events:
+        for event in self._eval_fns.steps(iterator, eval_input.steps):
             if isinstance(event, driver.BatchBegin):
                 callbacks.on_test_batch_begin(event.batch)
                 continue
             logs = event.logs
             callbacks.on_test_batch_end(event.batch, logs)
-        events.close()
         data_lib.release_iterator(iterator)
         iterator = None
         logs = driver.metrics_or_logs(model, logs)
