@@ -190,6 +190,7 @@ def fit(model, x, y, *, workers, epochs=1, batch_size=32, validation_data=None,
                           outer=outer_optimizer, **schedule_kwargs)
     sched = schedule(workers, epochs * steps_per_epoch, seed=seed, **schedule_kwargs)
     optimizer = model.optimizer
+    _set_workers(optimizer, workers)
     optimizer.build(model.trainable_variables)
     aware = staleness_aware_in(optimizer)
     variables = model.trainable_variables
@@ -204,20 +205,20 @@ def fit(model, x, y, *, workers, epochs=1, batch_size=32, validation_data=None,
         return loss, tape.gradient(scaled, weights), new_state
 
     @tf.function(reduce_retracing=True)
-    def apply(grads, pulled, tau):
-        info = update_lib.UpdateInfo(tau, pulled) if aware is not None else None
+    def apply(grads, pulled, tau, worker):
+        info = update_lib.UpdateInfo(tau, pulled, worker) if aware is not None else None
         with update_lib.providing(info):
             optimizer.apply(grads, variables)
 
     def snapshot():
         return [tf.identity(v.value) for v in variables]
 
-    def run_update(pulled, idx, tau):
+    def run_update(pulled, idx, tau, worker):
         state = [tf.identity(v.value) for v in model.non_trainable_variables]
         loss, grads, new_state = loss_and_grads(pulled, state, x[idx], y[idx])
         for variable, value in zip(model.non_trainable_variables, new_state):
             variable.assign(value)  # the last write wins, as on a parameter server
-        apply(grads, pulled, tau)
+        apply(grads, pulled, tau, worker)
         return loss
 
     return _replay(model, sched, epochs, len(x), batch_size, steps_per_epoch, seed,
@@ -244,6 +245,7 @@ def _fit_local(model, x, y, *, workers, epochs, batch_size, validation_data, see
     variables = model.trainable_variables
     optimizer.build(variables)
     if outer is not None:
+        _set_workers(outer, workers)
         outer.build(variables)
     opt_vars = list(optimizer.variables)
 
@@ -261,12 +263,12 @@ def _fit_local(model, x, y, *, workers, epochs, batch_size, validation_data, see
         return tf.reduce_mean(tf.stack(losses)), weights, opt_state, state
 
     @tf.function(reduce_retracing=True)
-    def push(delta, opt_delta, opt_new, pulled, tau):
+    def push(delta, opt_delta, opt_new, pulled, tau, worker):
         if outer is None:
             for v, d in zip(variables, delta):
                 v.assign_add(d)
         else:
-            info = update_lib.UpdateInfo(tau, pulled)
+            info = update_lib.UpdateInfo(tau, pulled, worker)
             pseudo = [-d for d in delta]
             if isinstance(outer, StalenessAwareOptimizer):
                 outer.apply(pseudo, variables, update=info)
@@ -283,7 +285,7 @@ def _fit_local(model, x, y, *, workers, epochs, batch_size, validation_data, see
         return ([tf.identity(v.value) for v in variables],
                 [tf.identity(v.value) for v in opt_vars])
 
-    def run_update(pulled_state, idx, tau):
+    def run_update(pulled_state, idx, tau, worker):
         pulled, pulled_opt = pulled_state
         xs = x[idx].reshape((k, batch_size) + x.shape[1:])
         ys = y[idx].reshape((k, batch_size) + y.shape[1:])
@@ -293,7 +295,7 @@ def _fit_local(model, x, y, *, workers, epochs, batch_size, validation_data, see
             variable.assign(value)
         delta = [a - b for a, b in zip(weights, pulled)]
         opt_delta = [a - b for a, b in zip(opt_state, pulled_opt)]
-        push(delta, opt_delta, opt_state, pulled, tau)
+        push(delta, opt_delta, opt_state, pulled, tau, worker)
         return loss
 
     return _replay(model, sched, epochs, len(x), k * batch_size, pushes_per_epoch, seed,
@@ -303,7 +305,7 @@ def _fit_local(model, x, y, *, workers, epochs, batch_size, validation_data, see
 def _replay(model, sched, epochs, samples, examples_per_update, updates_per_epoch, seed,
             validation_data, snapshot, run_update):
     """Replays `sched`: each update runs `run_update(pulled, batch indices,
-    tau)` on the state `snapshot()` took when its worker read the weights.
+    tau, worker)` on the state `snapshot()` took when its worker read the weights.
 
     Snapshots are kept in a ring by version, each until the last update
     computed on it has been applied: memory is bounded by the versions in
@@ -322,7 +324,8 @@ def _replay(model, sched, epochs, samples, examples_per_update, updates_per_epoc
             version = int(read_version[update])
             idx = order[i * examples_per_update:(i + 1) * examples_per_update]
             tau = tf.constant(int(sched.staleness[update]), tf.int64)
-            losses.append(float(run_update(snapshots[version], idx, tau)))
+            worker = tf.constant(int(sched.workers[update]), tf.int32)
+            losses.append(float(run_update(snapshots[version], idx, tau, worker)))
             if last_use[version] == update:
                 del snapshots[version]
             if update + 1 in last_use:
@@ -334,6 +337,21 @@ def _replay(model, sched, epochs, samples, examples_per_update, updates_per_epoc
             for key, value in logs.items():
                 history.setdefault("val_" + key, []).append(float(value))
     return history
+
+
+def _set_workers(optimizer, workers):
+    """Gives per-worker optimizers (`DANA`) the simulated worker count."""
+    from keras_dist.update import optimizer_chain
+
+    for o in optimizer_chain(optimizer):
+        if hasattr(o, "workers") and getattr(o, "needs_worker", False):
+            if o.workers is None and not o.built:
+                o.workers = workers
+            elif o.workers is None or o.workers < workers:
+                raise ValueError(
+                    f"{type(o).__name__} keeps state for {o.workers} workers and "
+                    f"simulate.fit runs workers={workers}. Use a new optimizer, or "
+                    f"{type(o).__name__}(..., workers={workers}).")
 
 
 def _version_at(times, t):

@@ -321,3 +321,24 @@ def test_gated_writes_skip_everything_or_nothing(name):
         np.testing.assert_array_equal(a, b)
     for plain, gated in zip(results[None][1], results[True][1]):
         np.testing.assert_allclose(gated, plain, rtol=1e-6)
+
+
+@pytest.mark.parametrize("workers, implicit, compensated", [
+    (1, 0.0, 0.9), (2, 0.5, 0.4), (4, 0.75, 0.15), (10, 0.9, 0.0), (64, 63 / 64, 0.0)])
+def test_implicit_momentum_and_what_to_set_instead(workers, implicit, compensated):
+    assert kd.optimizers.implicit_momentum(workers) == pytest.approx(implicit)
+    assert kd.optimizers.compensated_momentum(0.9, workers) == pytest.approx(compensated)
+    assert kd.optimizers.compensated_momentum(0.9, workers, floor=-1.0) == pytest.approx(
+        0.9 - implicit)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: kd.optimizers.implicit_momentum(0), "`workers` must be an integer >= 1. "
+                                                  "Received: workers=0"),
+    (lambda: kd.optimizers.implicit_momentum(2.0), "Received: workers=2.0"),
+    (lambda: kd.optimizers.compensated_momentum(1.0, 4),
+     r"`target` must be a float in \[0, 1\). Received: target=1.0"),
+])
+def test_implicit_momentum_bad_input(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()

@@ -7,6 +7,10 @@ staleness (see docs/staleness-aware-optimizers.md):
 - `DynSGD` (Jiang et al. 2017): `g / (tau + 1)`
 - `DCASGD` (Zheng et al. 2017): delay compensation with the pulled weights
 - `GapAware` (Barkai et al. 2020): elementwise penalty by the weight gap
+- `DANA` (Hakimi et al. 2019): per-worker momentum with look-ahead weights
+
+and `implicit_momentum` / `compensated_momentum` (Mitliagkas et al. 2016)
+give the momentum asynchrony adds by itself, and what to set instead.
 - `StalenessLimit`: drop updates with `tau > max_staleness`
 
 Example:
@@ -20,11 +24,13 @@ Example:
 
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 from keras_dist.optimizers.base import StalenessAwareOptimizer
+from keras_dist.optimizers.dana import DANA
 from keras_dist.optimizers.dcasgd import DCASGD
 from keras_dist.optimizers.dynsgd import DynSGD
 from keras_dist.optimizers.gap_aware import GapAware
+from keras_dist.optimizers.implicit import compensated_momentum, implicit_momentum
 from keras_dist.optimizers.staleness_limit import StalenessLimit
 from keras_dist.optimizers.staleness_scaled import StalenessScaled
 
-__all__ = ["DCASGD", "DynSGD", "GapAware", "StalenessAwareOptimizer",
-           "StalenessLimit", "StalenessScaled"]
+__all__ = ["DANA", "DCASGD", "DynSGD", "GapAware", "StalenessAwareOptimizer",
+           "StalenessLimit", "StalenessScaled", "compensated_momentum", "implicit_momentum"]

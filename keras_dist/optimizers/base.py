@@ -64,6 +64,9 @@ class StalenessAwareOptimizer(keras.optimizers.Optimizer):
     needs_pulled_weights = False
     """Whether `transform` uses the weights the worker read (DC-ASGD, Gap-Aware)."""
 
+    needs_worker = False
+    """Whether `transform` takes the update's worker index (`worker=`; DANA)."""
+
     family = None
     """Wrappers of one family (e.g. "scaling") must not be nested in each other."""
 
@@ -154,18 +157,13 @@ class StalenessAwareOptimizer(keras.optimizers.Optimizer):
         if update is None:
             update = update_lib.current_update()
         if update is None:
-            if not self._warned:
-                warnings.warn(
-                    f"{type(self).__name__}: the staleness of this update is unknown "
-                    "(not asynchronous parameter-server training), so it behaves "
-                    f"exactly as its inner {type(self.inner_optimizer).__name__}.",
-                    stacklevel=2)
-                self._warned = True
+            self._warn_unknown_staleness()
             return self.inner_optimizer.apply(grads, trainable_variables)
         staleness = tf.cast(update.staleness, tf.float32)
         variables = trainable_variables or self._trainable_variables
+        extra = {"worker": update.worker} if self.needs_worker else {}
         new_grads, keep = self.transform(list(grads), list(variables), staleness,
-                                         update.pulled)
+                                         update.pulled, **extra)
         inner = self.inner_optimizer
 
         def apply_inner(grads, variables):
@@ -180,6 +178,20 @@ class StalenessAwareOptimizer(keras.optimizers.Optimizer):
         update_lib.apply_if(keep, apply_inner, new_grads, trainable_variables,
                             lambda: _dropped(self))
         return None
+
+    unknown_staleness_means = None
+    """What the wrapper does without an update's staleness, for the warning
+    (default: exactly its inner optimizer)."""
+
+    def _warn_unknown_staleness(self):
+        if self._warned:
+            return
+        means = self.unknown_staleness_means or (
+            f"it behaves exactly as its inner {type(self.inner_optimizer).__name__}")
+        warnings.warn(
+            f"{type(self).__name__}: the staleness of this update is unknown (not "
+            f"asynchronous parameter-server training), so {means}.", stacklevel=3)
+        self._warned = True
 
     def transform(self, grads, variables, staleness, pulled):
         """Returns `(grads, keep)`; `keep` is a bool tensor or `None` (always)."""
