@@ -70,7 +70,7 @@ def test_async_digits_training(request, shared_cluster, steps_per_execution):
 def test_every_staleness_aware_wrapper_trains_asynchronously(request, shared_cluster):
     results, _ = shared_cluster.result(request.node)
     assert sorted(results) == ["DCASGD", "DCASGD-adaptive", "DynSGD", "GapAware",
-                               "StalenessLimit", "StalenessScaled"]
+                               "GapAware-momentum", "StalenessLimit", "StalenessScaled"]
     for name, result in results.items():
         assert result["test_accuracy"] >= 0.90, (name, result["test_accuracy"])
         assert result["version"] == 8 * 45, name  # every update claimed a version
@@ -79,6 +79,7 @@ def test_every_staleness_aware_wrapper_trains_asynchronously(request, shared_clu
     # exactly when some update was stale.
     assert all(0 < s <= 1 for s in logs["DynSGD"]["dyn_sgd_scale_mean"])
     assert all(g >= 1 for g in logs["GapAware"]["gap_aware_scale_mean"])
+    assert all(g >= 1 for g in logs["GapAware-momentum"]["gap_aware_scale_mean"])
     # max_staleness=0 drops every stale update, and only those.
     limit = logs["StalenessLimit"]
     for dropped, mean_tau in zip(limit["dropped_updates"], limit["staleness_mean"]):

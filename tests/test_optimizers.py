@@ -97,6 +97,65 @@ def gap_aware(beta, eps):
     return rule
 
 
+def gap_penalty_on_momentum(beta, eps, gamma):
+    """Gap-Aware's penalty G with the typical step measured on the momentum
+    buffer u <- gamma u + g (instead of g): v averages u * u."""
+    def penalty(grads, w, pulled, state):
+        u = state.setdefault("u", [np.zeros_like(g) for g in grads])
+        v = state.setdefault("v", [np.zeros_like(g) for g in grads])
+        state["t"] = state.get("t", 0) + 1
+        out = []
+        for i, (g, wn, wp) in enumerate(zip(grads, w, pulled)):
+            u[i] = gamma * u[i] + g
+            v[i] = beta * v[i] + (1 - beta) * u[i] * u[i]
+            v_hat = v[i] / (1 - beta ** state["t"])
+            out.append(1 + np.abs(wn - wp) / (LR * (np.sqrt(v_hat) + eps)))
+        return out
+    return penalty
+
+
+def momentum_sgd(gamma, penalty_rule, weight_decay=0.0, scale_decay=False):
+    """Keras' SGD with momentum (m <- gamma m - lr g; w <- w + m) and decoupled
+    weight decay (w <- w - lr wd w first), given g / G; G also divides the
+    decay when `scale_decay`."""
+    def run(weights, steps):
+        w = [x.astype("float64").copy() for x in weights]
+        m = [np.zeros_like(x) for x in w]
+        state = {}
+        for grads, drift, tau in steps:
+            pulled = [x - d for x, d in zip(w, drift)]
+            grads = [g.astype("float64") for g in grads]
+            penalty = penalty_rule(grads, w, pulled, state)
+            w = [x - LR * weight_decay * x / (p if scale_decay else 1.0)
+                 for x, p in zip(w, penalty)]
+            for i, (g, p) in enumerate(zip(grads, penalty)):
+                m[i] = gamma * m[i] - LR * g / p
+                w[i] = w[i] + m[i]
+        return w
+    return run
+
+
+@pytest.mark.parametrize("weight_decay, scale_decay", [(0.0, False), (0.1, False), (0.1, True)])
+def test_gap_aware_on_the_momentum_buffer_matches_numpy(weight_decay, scale_decay):
+    weights, steps = make_state()
+    gamma = 0.9
+    optimizer = GapAware(keras.optimizers.SGD(LR, momentum=gamma, weight_decay=weight_decay or None),
+                         beta=0.9, measure="momentum", scale_weight_decay=scale_decay)
+    assert optimizer.momentum == gamma  # taken from the inner SGD
+    got = run_wrapper(optimizer, weights, steps)
+
+    expected = momentum_sgd(gamma, gap_penalty_on_momentum(0.9, 1e-8, gamma), weight_decay,
+                            scale_decay)(weights, steps)
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
+    # Measured on gradients instead, the result differs; so does unscaled decay.
+    other = run_wrapper(GapAware(keras.optimizers.SGD(LR, momentum=gamma,
+                                                      weight_decay=weight_decay or None),
+                                 beta=0.9, scale_weight_decay=not scale_decay),
+                        weights, steps)
+    assert any(not np.allclose(a, b, atol=1e-6) for a, b in zip(got, other))
+
+
 @pytest.mark.compat("wrappers")
 @pytest.mark.parametrize("make, rule", [
     (lambda: DynSGD(keras.optimizers.SGD(LR)), dynsgd),
@@ -233,6 +292,12 @@ def test_keras_save_load_then_training_continues(tmp_path, wrapper):
     (lambda: DCASGD(keras.optimizers.SGD(), mode="adaptive", momentum=1.0), ValueError,
      r"`momentum` must be in the range \[0, 1\)"),
     (lambda: GapAware(keras.optimizers.SGD(), beta=1.5), ValueError, "`beta` must be in"),
+    (lambda: GapAware(keras.optimizers.SGD(), measure="update"), ValueError,
+     r"`measure` must be one of \('gradient', 'momentum'\). Received: measure='update'"),
+    (lambda: GapAware(keras.optimizers.Adam(), measure="momentum"), ValueError,
+     "has no momentum. Pass momentum="),
+    (lambda: GapAware(keras.optimizers.SGD(), momentum=1.2), ValueError,
+     r"`momentum` must be in the range \[0, 1\) or None"),
     (lambda: StalenessLimit(keras.optimizers.SGD(), max_staleness=-1), ValueError,
      r"`max_staleness` must be an integer >= 0 .*Received: max_staleness=-1"),
     (lambda: StalenessLimit(keras.optimizers.SGD(), max_staleness=2.5), ValueError,
@@ -246,7 +311,8 @@ def test_keras_save_load_then_training_continues(tmp_path, wrapper):
      r"wraps a LossScaleOptimizer. Wrap the other way round: LossScaleOptimizer\(DCASGD"),
     (lambda: StalenessLimit(DynSGD(keras.optimizers.LossScaleOptimizer(
         keras.optimizers.SGD())), 2), ValueError, "DynSGD wraps a LossScaleOptimizer"),
-], ids=["not_optimizer", "negative_lambda", "mode", "momentum", "beta", "negative_limit",
+], ids=["not_optimizer", "negative_lambda", "mode", "momentum", "beta", "gap_measure",
+        "gap_no_momentum", "gap_momentum_range", "negative_limit",
         "float_limit", "double_scaling", "gap_in_dynsgd", "double_limit", "dc_inside_lso",
         "lso_deep_inside"])
 def test_bad_input(make, error, message):

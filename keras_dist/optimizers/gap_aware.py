@@ -25,14 +25,31 @@ class GapAware(StalenessAwareOptimizer):
     corrected to `v_hat`, and `eta_max` is the largest learning rate seen so
     far. With tau = 0 the gap is 0, `G = 1`, and the update is the inner
     optimizer's. Unlike DynSGD it damps only the weights that really moved.
-    The inner optimizer's decoupled weight decay is not scaled. The epoch
-    logs get `gap_aware_scale_mean`: the mean penalty `G`.
+    The epoch logs get `gap_aware_scale_mean`: the mean penalty `G`.
+
+    **With momentum** a typical step is `eta * u`, not `eta * g`, where `u`
+    is the momentum buffer (`u <- gamma * u + g`). `measure="momentum"`
+    averages `u * u` instead of `g * g`, as the paper does for momentum
+    optimizers, so the gap is measured in steps that momentum really takes.
+    `gamma` is the inner `SGD`'s (or `DANA`'s) momentum unless given.
+
+    **Weight decay.** The inner optimizer's decoupled weight decay (`SGD` /
+    `AdamW(weight_decay=...)`) is not scaled by default. With
+    `scale_weight_decay=True` it is divided by the same `G`, element by
+    element, as in the paper: a weight that drifted is neither pushed nor
+    decayed in full.
 
     Args:
         inner_optimizer: A `keras.optimizers.Optimizer`.
         beta: Float in [0, 1). Decay of the average of `g * g`. Defaults to
             `0.999`.
         epsilon: Float > 0. Defaults to `1e-8`.
+        measure: `"gradient"` (default) or `"momentum"`: what a typical
+            step is measured on.
+        momentum: Float in [0, 1) or `None`: `gamma` for
+            `measure="momentum"`; `None` takes the inner optimizer's.
+        scale_weight_decay: Bool. Divide the inner optimizer's weight
+            decay by `G` too. Defaults to `False`.
         name: String. Defaults to `"gap_aware"`.
 
     Example:
@@ -42,26 +59,46 @@ class GapAware(StalenessAwareOptimizer):
     >>> opt.beta, opt.epsilon
     (0.999, 1e-08)
 
+    >>> paper = kd.optimizers.GapAware(keras.optimizers.SGD(0.1, momentum=0.9),
+    ...                                measure="momentum", scale_weight_decay=True)
+    >>> paper.momentum
+    0.9
+
     Raises:
-        ValueError: for out-of-range hyperparameters, nesting inside another
-            scaling wrapper, or when it would see loss-scaled gradients.
+        ValueError: for out-of-range hyperparameters, a `measure="momentum"`
+            whose momentum cannot be found, nesting inside another scaling
+            wrapper, or when it would see loss-scaled gradients.
     """
 
     needs_pulled_weights = True
     family = "scaling"
 
-    def __init__(self, inner_optimizer, beta=0.999, epsilon=1e-8, name="gap_aware",
-                 **kwargs):
+    def __init__(self, inner_optimizer, beta=0.999, epsilon=1e-8, measure="gradient",
+                 momentum=None, scale_weight_decay=False, name="gap_aware", **kwargs):
         if not 0 <= beta < 1:
             raise ValueError(f"`beta` must be in the range [0, 1). Received: beta={beta}.")
         if not epsilon > 0:
             raise ValueError(f"`epsilon` must be > 0. Received: epsilon={epsilon}.")
+        if measure not in MEASURES:
+            raise ValueError(f"`measure` must be one of {MEASURES}. Received: "
+                             f"measure={measure!r}.")
+        if momentum is not None and not 0 <= momentum < 1:
+            raise ValueError(f"`momentum` must be in the range [0, 1) or None. Received: "
+                             f"momentum={momentum}.")
         super().__init__(inner_optimizer, name=name, **kwargs)
         self.beta, self.epsilon = float(beta), float(epsilon)
+        self.measure, self.scale_weight_decay = measure, bool(scale_weight_decay)
+        if measure == "momentum" and momentum is None:
+            momentum = _inner_momentum(inner_optimizer)
+        self.momentum = None if momentum is None else float(momentum)
+        self._decay_fixes = []
 
     def build_state(self, var_list):
         self._second_moments = [self.add_variable_from_reference(v, "gap_second_moment")
                                 for v in var_list]
+        if self.measure == "momentum":
+            self._buffers = [self.add_variable_from_reference(v, "gap_momentum")
+                             for v in var_list]
         self._updates = self._scalar("gap_updates")
         self._eta_max = self._scalar("eta_max")
 
@@ -70,22 +107,76 @@ class GapAware(StalenessAwareOptimizer):
         lr = tf.cast(self.learning_rate, tf.float32)
         eta_max = self._eta_max.value.assign(tf.maximum(self._eta_max.value, lr))
         out, penalties = [], []
-        for i, (g, variable, w_pulled) in enumerate(zip(grads, variables, pulled)):
+        for g, variable, w_pulled in zip(grads, variables, pulled):
             if g is None:
                 out.append(None)
                 continue
+            i = self._get_variable_index(variable)
             g = tf.convert_to_tensor(g)
+            step = g
+            if self.measure == "momentum":
+                buffer = self._buffers[i].value
+                step = self.momentum * buffer + g
+                buffer.assign(step)
             v = self._second_moments[i].value
-            new_v = self.beta * v + (1.0 - self.beta) * g * g
+            new_v = self.beta * v + (1.0 - self.beta) * step * step
             v.assign(new_v)
             v_hat = new_v / (1.0 - tf.pow(self.beta, t))
             c = tf.cast(eta_max, g.dtype) * (tf.sqrt(v_hat) + self.epsilon)
-            penalty = 1.0 + tf.abs(variable.value - w_pulled) / c
+            w_now = variable.value
+            penalty = 1.0 + tf.abs(w_now - w_pulled) / c
             penalties.append(tf.reduce_mean(penalty))
             out.append(g / penalty)
+            if self.scale_weight_decay:
+                # A value, not the variable: read before the inner update.
+                self._decay_fixes.append((variable, tf.identity(w_now), penalty))
         if penalties:
             self.record_scale(tf.reduce_mean(tf.stack(penalties)))
         return out, None
 
+    def apply(self, grads, trainable_variables=None, update=None):
+        self._decay_fixes = []
+        base = _base(self.inner_optimizer)
+        wd = getattr(base, "weight_decay", None) if self.scale_weight_decay else None
+        if wd:  # the rate the inner optimizer decays with (before it counts this step)
+            lr = tf.cast(base.learning_rate, tf.float32)
+        try:
+            result = super().apply(grads, trainable_variables, update=update)
+            # The inner optimizer decayed each weight by lr * wd * w in full;
+            # give back the part the penalty takes off: lr * wd * w * (1 - 1/G).
+            if self._decay_fixes and wd:
+                for variable, w_now, penalty in self._decay_fixes:
+                    if base._use_weight_decay(variable):
+                        variable.assign_add(tf.cast(lr * wd, w_now.dtype) * w_now
+                                            * (1.0 - 1.0 / penalty))
+            return result
+        finally:
+            self._decay_fixes = []
+
     def get_config(self):
-        return {**super().get_config(), "beta": self.beta, "epsilon": self.epsilon}
+        return {**super().get_config(), "beta": self.beta, "epsilon": self.epsilon,
+                "measure": self.measure, "momentum": self.momentum,
+                "scale_weight_decay": self.scale_weight_decay}
+
+
+MEASURES = ("gradient", "momentum")
+
+
+def _base(optimizer):
+    """The innermost optimizer of a wrapper chain (the one that applies)."""
+    while isinstance(optimizer, StalenessAwareOptimizer):
+        optimizer = optimizer.inner_optimizer
+    return optimizer
+
+
+def _inner_momentum(optimizer):
+    """The momentum of the first optimizer in the chain that has one."""
+    while optimizer is not None:
+        momentum = getattr(optimizer, "momentum", None)
+        if isinstance(momentum, (int, float)) and momentum > 0:
+            return float(momentum)
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    raise ValueError(
+        "GapAware(measure=\"momentum\") measures the gap in momentum steps, and the "
+        "optimizer it wraps has no momentum. Pass momentum=..., wrap "
+        "keras.optimizers.SGD(lr, momentum=0.9) (or DANA), or use measure=\"gradient\".")

@@ -32,6 +32,9 @@ WRAPPERS = {
     "DCASGD-adaptive": lambda: O.DCASGD(keras.optimizers.SGD(0.05, momentum=0.9),
                                         mode="adaptive"),
     "GapAware": lambda: O.GapAware(keras.optimizers.SGD(0.05, momentum=0.9)),
+    "GapAware-momentum": lambda: O.GapAware(
+        keras.optimizers.SGD(0.05, momentum=0.9, weight_decay=1e-3), measure="momentum",
+        scale_weight_decay=True),
     "StalenessLimit": lambda: O.StalenessLimit(
         O.DynSGD(keras.optimizers.Adam(3e-3)), max_staleness=0),
 }
