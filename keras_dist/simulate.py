@@ -45,14 +45,23 @@ class Schedule:
 
 
 def schedule(workers, updates, *, speed="lognormal", sigma=0.2, stragglers=None,
-             outages=None, seed=0):
+             outages=None, gap=0.0, seed=0):
     """Simulates which worker lands each update, and its staleness.
 
-    Each worker repeats: read the weights, compute for one step time, apply.
-    Step times are 1 (`speed="constant"`) or log-normal around 1 with
-    `sigma` (`"lognormal"`); a straggler's are multiplied by its factor; a
-    worker in an outage `(start, end)` (simulated time) loses the step in
-    progress and starts afresh at `end` with newly read weights.
+    Each worker repeats: read the weights, compute for one step time, apply,
+    then wait `gap` before reading again. Step times are 1
+    (`speed="constant"`) or log-normal around 1 with `sigma`
+    (`"lognormal"`); a straggler's are multiplied by its factor; a worker in
+    an outage `(start, end)` (simulated time) loses the step in progress and
+    starts afresh at `end` with newly read weights.
+
+    The gap is the time between an update and the worker's next read that
+    no other update can make stale: on a real cluster, handing the worker
+    its next function and returning its result. Updates that land in a
+    worker's gap do not count in its next update's staleness, so with equal
+    workers the mean staleness is about `(N - 1) / (1 + gap)` instead of
+    `N - 1`. `benchmarks/simulator_validation.py` measures it on real
+    clusters.
 
     Args:
         workers: Integer >= 1. Number of workers N.
@@ -63,6 +72,9 @@ def schedule(workers, updates, *, speed="lognormal", sigma=0.2, stragglers=None,
         stragglers: Dict or `None`. Worker index to slowdown factor (> 0),
             e.g. `{0: 4.0}`.
         outages: Dict or `None`. Worker index to `(start, end)` times.
+        gap: Float >= 0, or a dict of worker index to float. Time between a
+            worker's update and its next read, in step times. Defaults to
+            `0.0` (workers compute all the time).
         seed: Integer. Defaults to `0`.
 
     Returns:
@@ -74,6 +86,9 @@ def schedule(workers, updates, *, speed="lognormal", sigma=0.2, stragglers=None,
     >>> s = simulate.schedule(4, 100, speed="constant")
     >>> sorted(set(s.staleness[4:].tolist()))   # equal workers: N - 1 each
     [3]
+    >>> s = simulate.schedule(4, 100, speed="constant", gap=1.0)
+    >>> float(s.staleness[4:].mean())   # (N - 1) / (1 + gap)
+    1.5
 
     Raises:
         ValueError: for bad counts, speeds, factors or outages.
@@ -94,6 +109,13 @@ def schedule(workers, updates, *, speed="lognormal", sigma=0.2, stragglers=None,
             raise ValueError(
                 f"`outages` maps a worker index in [0, {workers}) to (start, end) with "
                 f"0 <= start < end. Received: {{{worker!r}: ({start!r}, {end!r})}}.")
+    gaps = dict(gap) if isinstance(gap, dict) else {w: gap for w in range(workers)}
+    for worker, value in gaps.items():
+        if (isinstance(value, bool) or not isinstance(value, (int, float, np.floating))
+                or not 0 <= value < np.inf or not 0 <= worker < workers):
+            raise ValueError(
+                f"`gap` is a time >= 0, or a dict mapping a worker index in [0, {workers}) "
+                f"to one. Received: gap={gap!r}.")
     rng = np.random.default_rng(seed)
 
     def duration(worker):
@@ -105,7 +127,7 @@ def schedule(workers, updates, *, speed="lognormal", sigma=0.2, stragglers=None,
     order = np.empty(updates, dtype=np.int64)
     taus = np.empty(updates, dtype=np.int64)
     times = np.empty(updates)
-    pending_reads = {}  # worker -> time it re-reads the weights (after an outage)
+    pending_reads = {}  # worker -> time it reads the weights (after an outage or a gap)
     for version in range(updates):
         while True:
             w = int(np.argmin(finish))  # ties: lowest index (round-robin)
@@ -123,8 +145,13 @@ def schedule(workers, updates, *, speed="lognormal", sigma=0.2, stragglers=None,
                 read_at[worker] = _version_at(times[:version], read_time)
                 del pending_reads[worker]
         order[version], taus[version], times[version] = w, version - read_at[w], finish[w]
-        read_at[w] = version + 1
-        finish[w] += duration(w)
+        wait = gaps.get(w, 0.0)
+        if wait:  # it reads after its gap: the version then is known later
+            pending_reads[w] = finish[w] + wait
+            finish[w] += wait + duration(w)
+        else:
+            read_at[w] = version + 1
+            finish[w] += duration(w)
     return Schedule(order, taus, times)
 
 
@@ -159,8 +186,8 @@ def fit(model, x, y, *, workers, epochs=1, batch_size=32, validation_data=None,
             too; the slots are the pushing worker's), or, with `outer_optimizer`, applied as the
             pseudo-gradient `-change` by that optimizer. Defaults to `1`.
         outer_optimizer: A Keras optimizer or `None`; see `local_steps`.
-        **schedule_kwargs: `speed`, `sigma`, `stragglers`, `outages` (see
-            `schedule`).
+        **schedule_kwargs: `speed`, `sigma`, `stragglers`, `outages`,
+            `gap` (see `schedule`).
 
     Returns:
         `(history, schedule)`: a dict of per-epoch lists (`loss`, and

@@ -46,6 +46,34 @@ def test_a_worker_in_an_outage_contributes_nothing_then_returns():
     assert sched.staleness[first_back] <= 3
 
 
+@pytest.mark.parametrize("workers, gap", [(4, 1.0), (16, 3.0), (8, 0.5)])
+def test_a_gap_between_update_and_read_lowers_staleness_to_n_minus_one_over_one_plus_gap(
+        workers, gap):
+    """Updates landing while a worker is between its update and its next read
+    do not make its next gradient stale."""
+    sched = simulate.schedule(workers, 300 * workers, sigma=0.2, gap=gap, seed=3)
+    assert sched.mean_staleness == pytest.approx((workers - 1) / (1 + gap), rel=0.05)
+    # Each update's tau is exactly the updates landed between its worker's
+    # read (its previous update's time + gap) and its own time.
+    for i in range(workers, len(sched.staleness), 97):
+        w = sched.workers[i]
+        previous = np.flatnonzero(sched.workers[:i] == w)[-1]
+        read_time = sched.times[previous] + gap
+        landed = np.searchsorted(sched.times[:i], read_time, side="right")
+        assert sched.staleness[i] == i - landed
+
+
+def test_a_worker_with_a_long_gap_lands_fewer_updates_and_makes_the_others_fresher():
+    sched = simulate.schedule(4, 4000, gap={0: 3.0}, seed=4)
+    counts = np.bincount(sched.workers, minlength=4)
+    assert counts[0] == pytest.approx(counts[1:].mean() / 4, rel=0.15)
+    # tau = what the others land during one step (1 time unit): worker 0
+    # sees the 3 others at 1 update each; the others see 2 others and a
+    # quarter of worker 0.
+    assert sched.staleness[sched.workers == 0].mean() == pytest.approx(3.0, rel=0.05)
+    assert sched.staleness[sched.workers != 0].mean() == pytest.approx(2.25, rel=0.05)
+
+
 def test_schedule_is_deterministic_under_a_seed():
     a = simulate.schedule(8, 300, seed=5)
     b = simulate.schedule(8, 300, seed=5)
@@ -58,6 +86,9 @@ def test_schedule_is_deterministic_under_a_seed():
     (dict(workers=2, updates=5, speed="fast"), "`speed` must be one of"),
     (dict(workers=2, updates=5, stragglers={3: 2.0}), "`stragglers` maps a worker index"),
     (dict(workers=2, updates=5, outages={0: (5, 1)}), "`outages` maps a worker index"),
+    (dict(workers=2, updates=5, gap=-1.0), r"`gap` is a time >= 0.*Received: gap=-1.0"),
+    (dict(workers=2, updates=5, gap={2: 1.0}), r"Received: gap=\{2: 1.0\}"),
+    (dict(workers=2, updates=5, gap="long"), "`gap` is a time >= 0"),
 ])
 def test_bad_schedule_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
