@@ -28,7 +28,7 @@ test: $(STAMP)
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict --site-dir site
 
-## bench: every benchmark side by side, then docs/benchmarks.md (installs the bench extra; ~10 min)
+## bench: every benchmark side by side, then docs/benchmarks.md (installs the bench extra; ~30 min)
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) benchmarks/fit_overhead.py
@@ -37,6 +37,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/ps_startup.py
 	$(VENV)/bin/keras-dist-run --workers 2 --ps 2 -- $(PY) benchmarks/ps_sharded.py
 	$(PY) benchmarks/staleness_convergence.py --workers 4,16,64,256
+	$(PY) benchmarks/simulator_validation.py
 	$(PY) benchmarks/straggler.py
 	$(PY) benchmarks/straggler_detection.py
 	$(PY) benchmarks/report.py

@@ -83,11 +83,15 @@ class AsyncExecutor(driver.Executor):
 
     parameter_server = True
 
-    def __init__(self, model, strategy, local_steps=1, outer_optimizer=None, **kwargs):
+    def __init__(self, model, strategy, local_steps=1, outer_optimizer=None, elastic=None,
+                 **kwargs):
         super().__init__(model, strategy, **kwargs)
-        self.local_steps = local_steps_lib.check(model, strategy, local_steps, outer_optimizer)
+        self.local_steps = local_steps_lib.check(model, strategy, local_steps, outer_optimizer,
+                                                 elastic)
         self.outer_optimizer = outer_optimizer
-        self._local = self.local_steps > 1 or outer_optimizer is not None
+        self.elastic = elastic
+        self._copies = None
+        self._local = self.local_steps > 1 or outer_optimizer is not None or elastic is not None
         self.coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
         self._evaluator = SyncExecutor.for_evaluation(model, tf.distribute.get_strategy(),
                                                       cluster=self.cluster)
@@ -116,6 +120,17 @@ class AsyncExecutor(driver.Executor):
                 self.outer_optimizer, self.model, self.strategy)
             self.model.__dict__["outer_optimizer"] = self.outer_optimizer
             self._per_call = self.local_steps
+        if self.elastic is not None:
+            workers = len(self.cluster.cluster.get("worker", ())) if self.cluster else 0
+            if not workers:
+                raise ValueError(
+                    "elastic (EASGD) keeps one copy of the weights per worker and takes "
+                    "the number of workers from the cluster description (TF_CONFIG or "
+                    "SLURM), which this process does not have.")
+            with self.strategy.scope():  # x_i start at the weights as they are now
+                self._copies = local_steps_lib.ElasticCopies(self.model, workers,
+                                                             self.elastic)
+            self.model.__dict__["elastic_copies"] = self._copies
         self.model.staleness_stats = self.stats
         self.metrics = self.state.metrics
         # Running metric results for the batch logs cost the chief a compiled
@@ -140,7 +155,8 @@ class AsyncExecutor(driver.Executor):
                 k = min(per_call, steps - scheduled)
                 yield driver.BatchBegin(scheduled)
                 fn = self.state.step_function(k, self.faults, local=self._local,
-                                              outer=self.outer_optimizer)
+                                              outer=self.outer_optimizer,
+                                              elastic=self._copies)
                 optimizer = self.model.optimizer
                 counting = (contextlib.nullcontext() if self._local  # stateless: counted by delta
                             else update.atomic_iterations(optimizer))
@@ -228,20 +244,22 @@ class _AsyncState:
             self.metrics = ChiefMetrics(self.model)
         sharded.prepare(self.model)
 
-    def step_function(self, k, faults, local=False, outer=None):
+    def step_function(self, k, faults, local=False, outer=None, elastic=None):
         """The `tf.function` running `k` steps on a worker (with `local`: one
         round of local steps, `keras_dist.local_steps`); cached (like Keras'
         `train_function`) so later epochs and `fit` calls do not retrace.
         Keyed by the optimizers too: a new compile() must not reuse a
         function that captured the old optimizer."""
-        key = (id(self.model.optimizer), k, faults.key if faults else (), local, id(outer))
+        key = (id(self.model.optimizer), k, faults.key if faults else (), local, id(outer),
+               id(elastic))
         if key not in self._functions:
             strategy = self.strategy
 
             def replica_fn(*batches):
                 if local:
                     worker = tf.distribute.coordinator.experimental_get_current_worker_index()
-                    return local_steps_lib.local_round(self, batches, worker, faults, outer)
+                    return local_steps_lib.local_round(self, batches, worker, faults, outer,
+                                                       elastic)
                 return self._replica_steps(batches, k, faults)
 
             @tf.function

@@ -167,7 +167,8 @@ class AsyncModel(keras.Model):
         return async_model
 
     # ----------------------------------------------------------------- training
-    def fit(self, x=None, y=None, local_steps=1, outer_optimizer=None, **kwargs):
+    def fit(self, x=None, y=None, local_steps=1, outer_optimizer=None, elastic=None,
+            **kwargs):
         """`keras.Model.fit`, plus local steps under parameter servers.
 
         Args:
@@ -180,6 +181,10 @@ class AsyncModel(keras.Model):
                 it, a push applies the pseudo-gradient `-(w_local - w_pulled)`
                 with this optimizer on the parameter servers (DiLoCo);
                 staleness-aware wrappers go here. `None`: the change is added.
+            elastic: Float in (0, 1] or `None`. EASGD: each worker keeps its
+                own weights between rounds of `local_steps`, and each push
+                moves them and the model's weights (the centre) `elastic` of
+                the way towards each other (docs/local-steps.md).
             **kwargs: `keras.Model.fit`'s arguments.
         """
         from keras_dist import data as data_lib
@@ -189,13 +194,13 @@ class AsyncModel(keras.Model):
         strategy = self.distribute_strategy
         if not isinstance(strategy, tf.distribute.ParameterServerStrategy):
             serve_if_serving_task()  # a worker / ps task of the cluster serves here
-        local_steps_lib.check(self, strategy, local_steps, outer_optimizer)
+        local_steps_lib.check(self, strategy, local_steps, outer_optimizer, elastic)
         if isinstance(strategy, tf.distribute.ParameterServerStrategy):
             from keras_dist import driver
             from keras_dist.async_executor import AsyncExecutor
 
             executor = AsyncExecutor(self, strategy, local_steps=local_steps,
-                                     outer_optimizer=outer_optimizer,
+                                     outer_optimizer=outer_optimizer, elastic=elastic,
                                      nonfinite_updates=self.nonfinite_updates,
                                      faults=testing.faults_from_env(),
                                      cluster=ClusterConfig.from_env())

@@ -14,6 +14,18 @@ With `local_steps=k`, each scheduled execution on a worker
    with an `outer_optimizer`, applies the pseudo-gradient `-delta` with
    that optimizer on the parameter servers (DiLoCo, async local SGD).
 
+With `elastic=alpha` (EASGD, Zhang, Choromanska and LeCun 2015, in its
+asynchronous form) each worker keeps its own weights `x_i` between rounds
+(on the parameter servers, one row per worker, beside the weights): a
+round starts from `x_i` instead of the pulled weights, and its push moves
+the centre (the model's weights) and `x_i` towards each other,
+
+    e = alpha * (x_i - centre_pulled);   x_i <- x_i - e;   centre <- centre + e
+
+so the sum of the centre and every `x_i` changes only by local gradient
+steps. The centre is read at the pull, a round before the exchange (the
+paper reads it at the exchange; this saves a round trip).
+
 This is Downpour SGD with n_fetch = n_push = k (Dean et al. 2012), local
 SGD (Stich 2019; Lin et al. 2020) in its asynchronous form and, with an
 outer optimizer, DiLoCo (Douillard et al. 2023) / async local SGD (Liu et
@@ -37,7 +49,7 @@ from keras_dist import update
 from keras_dist.optimizers.base import StalenessAwareOptimizer
 
 
-def check(model, strategy, local_steps, outer_optimizer):
+def check(model, strategy, local_steps, outer_optimizer, elastic=None):
     """Validates the local-steps options; returns `local_steps` as an int.
 
     Example:
@@ -51,10 +63,16 @@ def check(model, strategy, local_steps, outer_optimizer):
     >>> local_steps.check(model, tf.distribute.get_strategy(), 4, None)
     Traceback (most recent call last):
     ...
-    ValueError: local_steps=4 and outer_optimizer need parameter servers ...
+    ValueError: local_steps=4, outer_optimizer and elastic need parameter servers ...
+
+    >>> local_steps.check(model, tf.distribute.get_strategy(), 4, None, elastic=1.5)
+    Traceback (most recent call last):
+    ...
+    ValueError: `elastic` must be a float in (0, 1] ... Received: elastic=1.5.
 
     Raises:
-        ValueError: for `local_steps` < 1 or not an integer, local steps
+        ValueError: for `local_steps` < 1 or not an integer, an `elastic`
+            outside (0, 1] or together with an outer optimizer, local steps
             under a synchronous strategy, together with
             `steps_per_execution` > 1, with a custom `train_step`, or with
             an optimizer that cannot step on tensors.
@@ -65,20 +83,21 @@ def check(model, strategy, local_steps, outer_optimizer):
             f"`local_steps` must be an integer >= 1 (1: every step updates the "
             f"parameter servers). Received: local_steps={local_steps!r}.")
     local_steps = int(local_steps)
+    check_elastic(elastic, outer_optimizer)
     if outer_optimizer is not None and not isinstance(outer_optimizer,
                                                       keras.optimizers.Optimizer):
         raise ValueError(
             "`outer_optimizer` must be a keras.optimizers.Optimizer instance (e.g. "
             "keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)). Received: "
             f"outer_optimizer={outer_optimizer!r}.")
-    if local_steps == 1 and outer_optimizer is None:
+    if local_steps == 1 and outer_optimizer is None and elastic is None:
         return 1
     if not isinstance(strategy, tf.distribute.ParameterServerStrategy):
         raise ValueError(
-            f"local_steps={local_steps} and outer_optimizer need parameter servers "
+            f"local_steps={local_steps}, outer_optimizer and elastic need parameter servers "
             f"(ParameterServerStrategy); the strategy is {type(strategy).__name__}. "
             "Under a synchronous strategy every step is already averaged over all "
-            "replicas: drop `local_steps` / `outer_optimizer` there (a script that "
+            "replicas: drop `local_steps` / `outer_optimizer` / `elastic` there (a script that "
             "runs both ways can pass local_steps only when "
             "isinstance(strategy, tf.distribute.ParameterServerStrategy)).")
     spe = int(getattr(model, "steps_per_execution", 1) or 1)
@@ -107,6 +126,23 @@ def check(model, strategy, local_steps, outer_optimizer):
     return local_steps
 
 
+def check_elastic(elastic, outer_optimizer):
+    """Raises `ValueError` for an `elastic` (EASGD's alpha) that is not in
+    (0, 1], or one given together with an outer optimizer."""
+    if elastic is None:
+        return
+    if isinstance(elastic, bool) or not isinstance(elastic, (int, float)) or not (
+            0 < elastic <= 1):
+        raise ValueError(
+            "`elastic` must be a float in (0, 1] (EASGD's moving rate alpha; the paper "
+            f"suggests 0.9 / workers) or None. Received: elastic={elastic!r}.")
+    if outer_optimizer is not None:
+        raise ValueError(
+            "`elastic` and `outer_optimizer` are two ways to push a round: EASGD moves "
+            "the centre by alpha * (x_i - centre), an outer optimizer applies the "
+            "pseudo-gradient. Pass one of them.")
+
+
 def build_outer(outer_optimizer, model, strategy):
     """`outer_optimizer`, built for the model's trainable variables on the
     parameter servers. One created outside the strategy's scope (Keras
@@ -123,11 +159,42 @@ def build_outer(outer_optimizer, model, strategy):
     return outer_optimizer
 
 
-def local_round(state, batches, worker, faults, outer_optimizer):
+class ElasticCopies:
+    """EASGD's per-worker weights `x_i`: one `(workers, *shape)` variable per
+    trainable weight, on the parameter servers, each row starting at the
+    weights as they are when training begins.
+
+    Example:
+
+    >>> import keras
+    >>> from keras_dist.local_steps import ElasticCopies
+    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    >>> copies = ElasticCopies(model, workers=4, alpha=0.2)
+    >>> [tuple(v.shape) for v in copies.variables]
+    [(4, 3, 2), (4, 2)]
+    """
+
+    def __init__(self, model, workers, alpha):
+        self.alpha, self.workers = float(alpha), int(workers)
+        self.variables = [
+            tf.Variable(tf.tile(v.value[None], [workers] + [1] * len(v.shape)),
+                        trainable=False, name=f"elastic_{v.name}")
+            for v in model.trainable_variables]
+
+    def read(self, worker):
+        return [tf.gather(c, worker[None])[0] for c in self.variables]
+
+    def write(self, worker, values):
+        return [c.scatter_update(tf.IndexedSlices(x[None], worker[None]))
+                for c, x in zip(self.variables, values)]
+
+
+def local_round(state, batches, worker, faults, outer_optimizer, elastic=None):
     """One pull, `len(batches)` local steps and one push, on a worker.
 
-    `state` is the executor's `_AsyncState`. Returns the packed
-    `step_report` vector (one tau: the push's).
+    `state` is the executor's `_AsyncState`; `elastic` its `ElasticCopies`
+    (EASGD) or `None`. Returns the packed `step_report` vector (one tau:
+    the push's).
     """
     model, optimizer = state.model, state.model.optimizer
     trainable = list(model.trainable_variables)
@@ -142,7 +209,9 @@ def local_round(state, batches, worker, faults, outer_optimizer):
     nt0 = [v.value.read_value() for v in non_trainable]
     nt = list(nt0)
     opt0 = [v.value.read_value() for v in opt_vars]
-    w, opt = list(w0), list(opt0)
+    worker_index = tf.cast(worker, tf.int32)
+    start_from = elastic.read(worker_index) if elastic is not None else w0
+    w, opt = list(start_from), list(opt0)
     metrics = [tf.zeros(v.shape, v.dtype) for v in metric_vars]
     tracker = next((m for m in model.metrics if m.name == "loss"), None)
     examples = tf.constant(0.0, tf.float64)
@@ -152,7 +221,7 @@ def local_round(state, batches, worker, faults, outer_optimizer):
                                                 non_trainable, nt, metric_vars, metrics,
                                                 opt, tracker)
         examples += step_report.batch_examples(data)
-    delta = [new - old for new, old in zip(w, w0)]
+    delta = [new - old for new, old in zip(w, start_from)]
     ready = list(delta)
     slowed = bool(faults and faults.slowed)
     if slowed:  # this round takes `factor` times as long
@@ -162,8 +231,12 @@ def local_round(state, batches, worker, faults, outer_optimizer):
     with tf.control_dependencies(ready):
         one = tf.ones([], tf.int64)
     tau = state.version.claim(read, one)
-    writes, skipped = _push(state, outer_optimizer, trainable, delta, opt_vars, opt, opt0,
-                            non_trainable, nt, nt0, tau, worker, w0)
+    if elastic is not None:
+        writes, skipped = _push_elastic(state, elastic, trainable, w, w0, worker_index,
+                                        opt_vars, opt, opt0, non_trainable, nt, nt0)
+    else:
+        writes, skipped = _push(state, outer_optimizer, trainable, delta, opt_vars, opt, opt0,
+                                non_trainable, nt, nt0, tau, worker, w0)
     with tf.control_dependencies(writes + [tau]):
         seconds = tf.timestamp() - start
     loss_sum, loss_count = state.metrics.loss_state(metrics)
@@ -230,21 +303,52 @@ def _push(state, outer, trainable, delta, opt_vars, opt, opt0, non_trainable, nt
                                  gate=True)
             if gated is None:  # counted by the policy itself
                 skipped = tf.constant(0.0, tf.float64)
-        # The optimizer's own state. Counters (iterations) add their change;
-        # slots (momentum, moments) are the pushing worker's: last write wins.
-        # Adding every worker's slot change summed their momentum and made
-        # SGD with momentum 0.9 diverge on 2 workers (test accuracy 0.56).
-        for v, new, old in zip(opt_vars, opt, opt0):
-            if new is old:
-                continue
-            if new.dtype.is_floating:
-                writes.append(v.value.assign(tf.where(finite, new, old)))
-            else:
-                writes.append(v.value.assign_add((new - old) * tf.cast(finite, new.dtype)))
-        for v, new, old in zip(non_trainable, nt, nt0):
-            if new is not old:  # BatchNormalization statistics: last write wins
-                writes.append(v.value.assign(tf.where(finite, new, old)))
+        writes += _state_writes(opt_vars, opt, opt0, non_trainable, nt, nt0, finite)
     return writes, skipped
+
+
+def _push_elastic(state, elastic, trainable, x, centre, worker, opt_vars, opt, opt0,
+                  non_trainable, nt, nt0):
+    """EASGD's exchange: `e = alpha (x_i - centre)`; the centre gains `e`,
+    the worker's copy keeps `x_i - e`. A round that ended non-finite
+    changes nothing (or raises)."""
+    finite = update.all_finite(x)
+    skipped = tf.cast(tf.logical_not(finite), tf.float64)
+    writes = []
+    if state.policy.mode == "raise":
+        writes.append(tf.debugging.Assert(finite, [
+            "keras_dist: a round of local steps ended with non-finite weights (NaN or "
+            "Inf); to skip such rounds instead, pass nonfinite_updates='skip'"]))
+    with tf.control_dependencies(writes):
+        elastic_moves = [tf.where(finite, elastic.alpha * (xi - c), tf.zeros_like(c))
+                         for xi, c in zip(x, centre)]
+        for v, e in zip(trainable, elastic_moves):
+            writes.append(v.value.assign_add(e))
+        old_copies = elastic.read(worker)
+        writes += elastic.write(worker, [tf.where(finite, xi - e, old)
+                                         for xi, e, old in zip(x, elastic_moves, old_copies)])
+        writes += _state_writes(opt_vars, opt, opt0, non_trainable, nt, nt0, finite)
+    return writes, skipped
+
+
+def _state_writes(opt_vars, opt, opt0, non_trainable, nt, nt0, finite):
+    """The optimizer's own state and other state after a round. Counters
+    (iterations) add their change; slots (momentum, moments) are the pushing
+    worker's: last write wins. Adding every worker's slot change summed their
+    momentum and made SGD with momentum 0.9 diverge on 2 workers (test
+    accuracy 0.56)."""
+    writes = []
+    for v, new, old in zip(opt_vars, opt, opt0):
+        if new is old:
+            continue
+        if new.dtype.is_floating:
+            writes.append(v.value.assign(tf.where(finite, new, old)))
+        else:
+            writes.append(v.value.assign_add((new - old) * tf.cast(finite, new.dtype)))
+    for v, new, old in zip(non_trainable, nt, nt0):
+        if new is not old:  # BatchNormalization statistics: last write wins
+            writes.append(v.value.assign(tf.where(finite, new, old)))
+    return writes
 
 
 def _current(scope, variable, old):

@@ -156,7 +156,7 @@ def schedule(workers, updates, *, speed="lognormal", sigma=0.2, stragglers=None,
 
 
 def fit(model, x, y, *, workers, epochs=1, batch_size=32, validation_data=None,
-        seed=0, local_steps=1, outer_optimizer=None, **schedule_kwargs):
+        seed=0, local_steps=1, outer_optimizer=None, elastic=None, **schedule_kwargs):
     """Trains a compiled Keras model as N asynchronous workers would.
 
     Every update's gradient is computed with `Model.stateless_call` on the
@@ -186,6 +186,10 @@ def fit(model, x, y, *, workers, epochs=1, batch_size=32, validation_data=None,
             too; the slots are the pushing worker's), or, with `outer_optimizer`, applied as the
             pseudo-gradient `-change` by that optimizer. Defaults to `1`.
         outer_optimizer: A Keras optimizer or `None`; see `local_steps`.
+        elastic: Float in (0, 1] or `None`. As `AsyncModel.fit(elastic=...)`
+            (EASGD): each worker's rounds start from its own weights, and a
+            push moves them and the centre (the model) `elastic` of the way
+            towards each other, with the centre as the worker read it.
         **schedule_kwargs: `speed`, `sigma`, `stragglers`, `outages`,
             `gap` (see `schedule`).
 
@@ -211,10 +215,13 @@ def fit(model, x, y, *, workers, epochs=1, batch_size=32, validation_data=None,
     if steps_per_epoch < 1:
         raise ValueError(f"batch_size={batch_size} is larger than the {len(x)} samples.")
     _check_int(local_steps, "local_steps", 1)
-    if local_steps > 1 or outer_optimizer is not None:
+    if local_steps > 1 or outer_optimizer is not None or elastic is not None:
+        from keras_dist.local_steps import check_elastic
+
+        check_elastic(elastic, outer_optimizer)
         return _fit_local(model, x, y, workers=workers, epochs=epochs, batch_size=batch_size,
                           validation_data=validation_data, seed=seed, k=local_steps,
-                          outer=outer_optimizer, **schedule_kwargs)
+                          outer=outer_optimizer, elastic=elastic, **schedule_kwargs)
     sched = schedule(workers, epochs * steps_per_epoch, seed=seed, **schedule_kwargs)
     optimizer = model.optimizer
     _set_workers(optimizer, workers)
@@ -253,7 +260,7 @@ def fit(model, x, y, *, workers, epochs=1, batch_size=32, validation_data=None,
 
 
 def _fit_local(model, x, y, *, workers, epochs, batch_size, validation_data, seed, k, outer,
-               **schedule_kwargs):
+               elastic=None, **schedule_kwargs):
     """`fit` with local steps: each scheduled update is one push of k steps."""
     from keras_dist import stateless
     from keras_dist import update as update_lib
@@ -312,14 +319,29 @@ def _fit_local(model, x, y, *, workers, epochs, batch_size, validation_data, see
         return ([tf.identity(v.value) for v in variables],
                 [tf.identity(v.value) for v in opt_vars])
 
+    initial = [tf.identity(v.value) for v in variables]
+
+    copies = {}  # EASGD: each worker's own weights, from the initial ones
+
     def run_update(pulled_state, idx, tau, worker):
         pulled, pulled_opt = pulled_state
         xs = x[idx].reshape((k, batch_size) + x.shape[1:])
         ys = y[idx].reshape((k, batch_size) + y.shape[1:])
         state = [tf.identity(v.value) for v in model.non_trainable_variables]
-        loss, weights, opt_state, new_state = local_round(pulled, pulled_opt, state, xs, ys)
+        start = pulled
+        if elastic is not None:
+            start = copies.setdefault(int(worker), initial)
+        loss, weights, opt_state, new_state = local_round(start, pulled_opt, state, xs, ys)
         for variable, value in zip(model.non_trainable_variables, new_state):
             variable.assign(value)
+        if elastic is not None:  # e = alpha (x_i - centre as read); both move by e
+            moves = [elastic * (a - b) for a, b in zip(weights, pulled)]
+            copies[int(worker)] = [a - e for a, e in zip(weights, moves)]
+            for v, e in zip(variables, moves):
+                v.assign_add(e)
+            opt_delta = [a - b for a, b in zip(opt_state, pulled_opt)]
+            push([tf.zeros_like(e) for e in moves], opt_delta, opt_state, pulled, tau, worker)
+            return loss
         delta = [a - b for a, b in zip(weights, pulled)]
         opt_delta = [a - b for a, b in zip(opt_state, pulled_opt)]
         push(delta, opt_delta, opt_state, pulled, tau, worker)

@@ -33,7 +33,8 @@ logger = logging.getLogger("keras_dist")
 
 
 def fit(model, x=None, y=None, *, strategy="auto", cluster=None, nonfinite_updates=None,
-        local_steps=1, outer_optimizer=None, variable_partitioner=None, **fit_kwargs):
+        local_steps=1, outer_optimizer=None, elastic=None, variable_partitioner=None,
+        **fit_kwargs):
     """Trains a Keras model with the right `tf.distribute` strategy.
 
     Same arguments and return value as `keras.Model.fit`, plus the choice of
@@ -82,6 +83,10 @@ def fit(model, x=None, y=None, *, strategy="auto", cluster=None, nonfinite_updat
         outer_optimizer: A Keras optimizer or `None`. Parameter servers
             only: applies each push's pseudo-gradient on the parameter
             servers (DiLoCo); `None` adds the change.
+        elastic: Float in (0, 1] or `None`. Parameter servers only: EASGD,
+            each worker keeps its own weights between rounds and each push
+            moves them and the centre `elastic` of the way towards each
+            other (docs/local-steps.md).
         variable_partitioner: A `tf.distribute.experimental.partitioners`
             partitioner or `None`. Parameter servers only: splits large
             variables across the parameter servers (docs/sharded-variables.md);
@@ -134,13 +139,14 @@ def fit(model, x=None, y=None, *, strategy="auto", cluster=None, nonfinite_updat
     model = _model_in_scope(model, dist)
     mode = nonfinite_updates or getattr(model, "nonfinite_updates", None) or "skip"
     setup = dict(nonfinite_updates=mode, faults=testing.faults_from_env(), cluster=cluster)
-    local_steps_lib.check(model, dist, local_steps, outer_optimizer)
+    local_steps_lib.check(model, dist, local_steps, outer_optimizer, elastic)
     if isinstance(dist, tf.distribute.ParameterServerStrategy):
         if _convertible(model):
             with dist.scope():
                 model = AsyncModel.from_model(model)
         return driver.fit(AsyncExecutor(model, dist, local_steps=local_steps,
-                                        outer_optimizer=outer_optimizer, **setup),
+                                        outer_optimizer=outer_optimizer, elastic=elastic,
+                                        **setup),
                           x, y, **fit_kwargs)
     if _needs_own_loop(dist):
         return driver.fit(SyncExecutor(model, dist, **setup), x, y, **fit_kwargs)

@@ -83,6 +83,20 @@ def test_local_steps_under_a_synchronous_strategy_is_refused():
     assert len(model.fit(x, y, verbose=0, local_steps=1).history["loss"]) == 1
 
 
+def test_elastic_is_checked_and_needs_parameter_servers():
+    x, y = np.ones((8, 4)), np.ones((8, 1))
+    with pytest.raises(ValueError, match=r"`elastic` must be a float in \(0, 1\].*elastic=1.5"):
+        kd.fit(_model(), x, y, strategy="default", verbose=0, local_steps=4, elastic=1.5)
+    with pytest.raises(ValueError, match="two ways to push a round"):
+        kd.fit(_model(), x, y, strategy="default", verbose=0, local_steps=4, elastic=0.5,
+               outer_optimizer=keras.optimizers.SGD(0.7))
+    with pytest.raises(ValueError, match="elastic need parameter servers.*MirroredStrategy"):
+        kd.fit(_model, x, y, strategy="mirrored", verbose=0, elastic=0.5)
+    model = kd.AsyncModel.from_model(_model())
+    with pytest.raises(ValueError, match="need parameter servers"):
+        model.fit(x, y, verbose=0, local_steps=2, elastic=0.5)
+
+
 def test_outer_optimizer_must_be_an_optimizer():
     with pytest.raises(ValueError, match="outer_optimizer.*'sgd'"):
         kd.fit(_model(), np.ones((8, 4)), np.ones((8, 1)), strategy="default", verbose=0,
@@ -107,7 +121,13 @@ def test_local_steps_on_a_real_cluster(request, shared_cluster):
     assert total["max_difference"] <= 1e-5 * max(1.0, total["total_change"]), total
     # Training learns with local steps, with and without an outer optimizer;
     # the version counts pushes (epochs x steps / K) and both workers pushed.
-    for name in ("train", "train_outer"):
+    # EASGD: the exchange conserves centre + copies; both moved, and the two
+    # workers' copies went their own ways.
+    elastic = result["elastic_sum"]
+    assert elastic["version"] == 24 and sorted(elastic["rounds_per_worker"]) == ["0", "1"]
+    assert elastic["max_difference"] <= 1e-5 * max(1.0, elastic["total_change"]), elastic
+    assert elastic["centre_moved"] > 0.01 and elastic["copies_differ"] > 1e-4, elastic
+    for name in ("train", "train_outer", "train_elastic"):
         run = result[name]
         assert run["test_accuracy"] >= 0.9, (name, run["test_accuracy"])
         assert run["version"] == 6 * 40

@@ -226,3 +226,47 @@ def test_local_steps_must_be_a_positive_integer_in_the_simulator():
     with pytest.raises(ValueError, match="local_steps.*integer >= 1.*0"):
         simulate.fit(model, np.zeros((64, 64), "float32"), np.zeros(64), workers=2,
                      local_steps=0)
+
+
+@pytest.mark.parametrize("workers, alpha", [(1, 0.5), (3, 0.3)])
+def test_simulated_easgd_is_the_elastic_exchange_exactly(workers, alpha):
+    """EASGD in the simulator against a NumPy replay of the same schedule, on
+    a linear model whose loss, mean(x @ w), has gradient mean(x) whatever w:
+    each round starts from the worker's own copy, and its push moves the copy
+    and the centre (as the worker read it) alpha of the way to each other."""
+    k, batch, lr = 2, 8, 0.1
+    x = np.abs(np.random.default_rng(0).normal(size=(96, 3))).astype("float32")
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras.layers.Dense(1, use_bias=False)(inputs))
+    model.compile(keras.optimizers.SGD(lr), lambda y_true, y_pred: keras.ops.mean(y_pred))
+    w0 = model.weights[0].numpy()[:, 0].astype(np.float64)
+    _, sched = simulate.fit(model, x, np.zeros((96, 1), "float32"), workers=workers, epochs=2,
+                            batch_size=batch, local_steps=k, elastic=alpha, seed=4)
+    centres, copies = [w0], {w: w0 for w in range(workers)}
+    rng, u = np.random.default_rng(4), 0
+    for _ in range(2):
+        order = rng.permutation(96)
+        for i in range(96 // (k * batch)):
+            idx = order[i * k * batch:(i + 1) * k * batch].reshape(k, batch)
+            w = int(sched.workers[u])
+            local = copies[w] - lr * sum(x[b].mean(axis=0) for b in idx)
+            move = alpha * (local - centres[u - int(sched.staleness[u])])
+            copies[w] = local - move
+            centres.append(centres[-1] + move)
+            u += 1
+    np.testing.assert_allclose(model.weights[0].numpy()[:, 0], centres[-1], atol=1e-5)
+    assert np.abs(centres[-1] - w0).max() > 0.05
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(elastic=0.0), r"`elastic` must be a float in \(0, 1\].*Received: elastic=0.0"),
+    (dict(elastic=True), "Received: elastic=True"),
+    (dict(elastic=0.5, outer_optimizer=keras.optimizers.SGD(1.0)),
+     "`elastic` and `outer_optimizer` are two ways to push a round"),
+])
+def test_bad_elastic_in_the_simulator(kwargs, message):
+    model = _digits_mlp(keras.optimizers.SGD(0.1))
+    x, y = np.zeros((64, 64), "float32"), np.zeros((64,), "int64")
+    with pytest.raises(ValueError, match=message):
+        simulate.fit(model, x, y, workers=2, local_steps=2, **kwargs)

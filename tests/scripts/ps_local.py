@@ -12,6 +12,10 @@ The chief writes out_dir/result.json with three checks:
   w0 - lr * (sum of the batch gradients of every round each worker ran).
 - "train": the digits MLP with local steps and with an outer optimizer
   (Nesterov, DiLoCo style): test accuracy, version (= pushes), staleness.
+- "elastic_sum": the same racing linear model with EASGD (`elastic`): the
+  exchange conserves centre + every worker's copy, so that sum must end at
+  (workers + 1) * w0 - lr * (sum of the batch gradients of every round).
+- "train_elastic": the digits MLP with EASGD.
 - "errors": the messages of what local steps refuse on a parameter-server
   chief (steps_per_execution > 1, a custom train_step, a wrapper as the
   model's optimizer).
@@ -63,7 +67,7 @@ def one_round(make_optimizer):
             "iterations": int(remote.optimizer.iterations.numpy()), "version": remote.version}
 
 
-def racing_sum():
+def racing_sum(elastic=None):
     lr, rounds = 0.01, 24
     x = np.abs(np.random.default_rng(0).normal(size=(32 * K * rounds, 8))).astype("float32")
 
@@ -76,23 +80,32 @@ def racing_sum():
         model.compile(keras.optimizers.SGD(lr), mean_output)
     w0 = model.weights[0].numpy().copy()
     model.fit(x, np.zeros((len(x), 1), "float32"), batch_size=32, epochs=1,
-              steps_per_epoch=K * rounds, shuffle=False, verbose=0, local_steps=K)
+              steps_per_epoch=K * rounds, shuffle=False, verbose=0, local_steps=K,
+              elastic=elastic)
     per_worker = model.staleness_stats.updates_per_worker()
     # Each worker reads the data from its start: its r rounds took batches 0 .. r*K-1.
     batch_grads = x.reshape(-1, 32, 8).mean(axis=1)
-    expected = w0[:, 0] - lr * sum(batch_grads[:r * K].sum(axis=0) for r in per_worker.values())
-    return {"rounds_per_worker": {str(k): v for k, v in per_worker.items()},
-            "max_difference": float(np.abs(model.weights[0].numpy()[:, 0] - expected).max()),
-            "total_change": float(np.abs(w0[:, 0] - expected).max()),
-            "version": model.version}
+    change = lr * sum(batch_grads[:r * K].sum(axis=0) for r in per_worker.values())
+    got = model.weights[0].numpy()[:, 0]
+    expected = w0[:, 0] - change
+    result = {"rounds_per_worker": {str(k): v for k, v in per_worker.items()},
+              "total_change": float(np.abs(change).max()), "version": model.version}
+    if elastic is not None:  # centre + copies: conserved by the exchange
+        copies = model.elastic_copies.variables[0].numpy()[:, :, 0]
+        got = got + copies.sum(axis=0)
+        expected = (1 + len(copies)) * w0[:, 0] - change
+        result["centre_moved"] = float(np.abs(model.weights[0].numpy()[:, 0] - w0[:, 0]).max())
+        result["copies_differ"] = float(np.abs(copies[0] - copies[1]).max())
+    result["max_difference"] = float(np.abs(got - expected).max())
+    return result
 
 
-def train(outer):
+def train(outer, elastic=None):
     keras.utils.set_random_seed(2)
     with strategy.scope():
         model = kd.AsyncModel.from_model(mlp(keras.optimizers.SGD(0.05, momentum=0.9)))
     history = model.fit(X, Y, batch_size=32, epochs=6, steps_per_epoch=40 * K, verbose=0,
-                        local_steps=K, outer_optimizer=outer,
+                        local_steps=K, outer_optimizer=outer, elastic=elastic,
                         validation_data=(X_TEST, Y_TEST))
     return {"test_accuracy": model.evaluate(X_TEST, Y_TEST, verbose=0, return_dict=True)[
                 "accuracy"],
@@ -133,6 +146,8 @@ def main(out_dir):
         "train": train(None),
         # Outer momentum amplifies stale pushes: lr / (1 - momentum) near 1.
         "train_outer": train(keras.optimizers.SGD(0.7, momentum=0.3, nesterov=True)),
+        "elastic_sum": racing_sum(elastic=0.3),
+        "train_elastic": train(None, elastic=0.45),  # 0.9 / workers, as the paper suggests
         "errors": errors()}
     with open(os.path.join(out_dir, "result.json"), "w") as f:
         json.dump(result, f, default=float)
