@@ -179,9 +179,9 @@ def staleness_convergence(lines):
     results = data["results"]
     lines += [
         f"Digits MLP, {data['epochs']} epochs of batch {data['batch']} for every method; each "
-        "method at the learning rate of its grid that is best on a validation split (seed 0), "
-        f"then test accuracy (%) over seeds {data['seeds']}: mean [min-max], and the rate "
-        "(* on the grid's edge).\n",
+        "method at the learning rate of its grid that is best on a validation split "
+        f"({data.get('sweep_seeds', 2)} seeds averaged), then test accuracy (%) over seeds "
+        f"{data['seeds']}: mean [min-max], and the rate (* on the grid's edge).\n",
         "| method | " + " | ".join(f"N={n}" for n in counts) + " |",
         "|---" * (1 + len(counts)) + "|",
     ]

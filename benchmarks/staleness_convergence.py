@@ -351,6 +351,7 @@ def report(results, counts, seeds, seconds, table, budget=None):
         json.dump({"results": results, "verdict": verdict, "sequential": sequential,
                    "budget": budget,
                    "epochs": _EPOCHS.value, "batch": BATCH, "seeds": seeds,
+                   "sweep_seeds": _SWEEP_SEEDS.value,
                    "workers": counts, "seconds": seconds,
                    "grids": {name: list(grid) for name, (_, _, grid) in table.items()}},
                   f, indent=1)
