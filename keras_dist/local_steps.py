@@ -232,8 +232,9 @@ def local_round(state, batches, worker, faults, outer_optimizer, elastic=None):
         one = tf.ones([], tf.int64)
     tau = state.version.claim(read, one)
     if elastic is not None:
-        writes, skipped = _push_elastic(state, elastic, trainable, w, w0, worker_index,
-                                        opt_vars, opt, opt0, non_trainable, nt, nt0)
+        writes, skipped = _push_elastic(state, elastic, trainable, w, w0, start_from,
+                                        worker_index, opt_vars, opt, opt0, non_trainable,
+                                        nt, nt0)
     else:
         writes, skipped = _push(state, outer_optimizer, trainable, delta, opt_vars, opt, opt0,
                                 non_trainable, nt, nt0, tau, worker, w0)
@@ -307,11 +308,12 @@ def _push(state, outer, trainable, delta, opt_vars, opt, opt0, non_trainable, nt
     return writes, skipped
 
 
-def _push_elastic(state, elastic, trainable, x, centre, worker, opt_vars, opt, opt0,
-                  non_trainable, nt, nt0):
+def _push_elastic(state, elastic, trainable, x, centre, x_start, worker, opt_vars, opt,
+                  opt0, non_trainable, nt, nt0):
     """EASGD's exchange: `e = alpha (x_i - centre)`; the centre gains `e`,
     the worker's copy keeps `x_i - e`. A round that ended non-finite
-    changes nothing (or raises)."""
+    changes nothing (or raises): the copy stays `x_start`, as read at the
+    pull (only this worker writes its row)."""
     finite = update.all_finite(x)
     skipped = tf.cast(tf.logical_not(finite), tf.float64)
     writes = []
@@ -324,9 +326,8 @@ def _push_elastic(state, elastic, trainable, x, centre, worker, opt_vars, opt, o
                          for xi, c in zip(x, centre)]
         for v, e in zip(trainable, elastic_moves):
             writes.append(v.value.assign_add(e))
-        old_copies = elastic.read(worker)
         writes += elastic.write(worker, [tf.where(finite, xi - e, old)
-                                         for xi, e, old in zip(x, elastic_moves, old_copies)])
+                                         for xi, e, old in zip(x, elastic_moves, x_start)])
         writes += _state_writes(opt_vars, opt, opt0, non_trainable, nt, nt0, finite)
     return writes, skipped
 

@@ -91,7 +91,7 @@ def schedule(workers, updates, *, speed="lognormal", sigma=0.2, stragglers=None,
     1.5
 
     Raises:
-        ValueError: for bad counts, speeds, factors or outages.
+        ValueError: for bad counts, speeds, factors, outages or gaps.
     """
     _check_int(workers, "workers", 1)
     _check_int(updates, "updates", 0)

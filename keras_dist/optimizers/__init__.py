@@ -8,10 +8,10 @@ staleness (see docs/staleness-aware-optimizers.md):
 - `DCASGD` (Zheng et al. 2017): delay compensation with the pulled weights
 - `GapAware` (Barkai et al. 2020): elementwise penalty by the weight gap
 - `DANA` (Hakimi et al. 2019): per-worker momentum with look-ahead weights
-
-and `implicit_momentum` / `compensated_momentum` (Mitliagkas et al. 2016)
-give the momentum asynchrony adds by itself, and what to set instead.
 - `StalenessLimit`: drop updates with `tau > max_staleness`
+
+`implicit_momentum` / `compensated_momentum` (Mitliagkas et al. 2016) give
+the momentum asynchrony adds by itself, and what to set instead.
 
 Example:
 
