@@ -11,7 +11,7 @@ asynchronously: `AsyncModel`, plain SGD, steps_per_execution 1, batch 32,
 Then `simulate.fit` trains the same model, same data and learning rate, with
 the speed profile *measured* in the real runs (after the first epoch, which
 traces and starts up): each worker's mean step time, from its read to its
-update, over the fastest's gives its slowdown (`stragglers`); the rest of
+version claim, over the fastest's gives its slowdown (`stragglers`); the rest of
 its cycle (steady wall time / its updates, minus the step) gives its `gap`;
 the spread of log step times within each worker gives the log-normal
 `sigma`. The simulator without the gap is shown too.
@@ -84,7 +84,8 @@ def train(out_path):
             epochs.append({
                 "seconds": time.perf_counter() - self.start,
                 "records": [{"worker": r.worker, "staleness": r.staleness,
-                             "seconds": r.seconds} for r in self.model.staleness_stats.records]})
+                             "seconds": r.seconds, "claimed": r.claimed}
+                            for r in self.model.staleness_stats.records]})
 
     with strategy.scope():
         model = kd.AsyncModel.from_model(build_model(keras, _SEED.value))
@@ -121,13 +122,16 @@ def real_run(workers, slowed, seed, tmp):
             "test_accuracy": run["test_accuracy"],
             "wall_seconds": sum(e["seconds"] for e in steady),
             "updates": counts.tolist(),
-            "step_seconds": {str(w): [r["seconds"] for r in records if r["worker"] == w]
+            # The window that makes an update stale: from the execution's
+            # start (its read) to its version claim, not to the end of its
+            # writes.
+            "step_seconds": {str(w): [r["claimed"] for r in records if r["worker"] == w]
                              for w in range(workers)}}
 
 
 def profile(runs, workers):
     """The speed profile the simulator gets, in units of the fastest
-    worker's mean step (from its read to its update):
+    worker's mean step (from its read to its version claim):
 
     - each worker's slowdown: its mean step time over the fastest's;
     - each worker's gap: the rest of its cycle (wall time / its updates)

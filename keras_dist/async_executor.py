@@ -179,7 +179,7 @@ class AsyncExecutor(driver.Executor):
                 continue
             report = step_report.unpack(value, self.state.log_names[k], self.metrics.size)
             self.stats.add(StepRecord(worker=report.worker, staleness=list(report.staleness),
-                                      seconds=report.seconds))
+                                      seconds=report.seconds, claimed=report.claimed))
             self.metrics.add(report.state)
             self.policy.add_skipped(report.skipped)
             step = replica_cbs.ReplicaStep.from_report(report, "worker", steps=k)
@@ -294,6 +294,8 @@ class _AsyncState:
             writes += step_writes
             examples += step_report.batch_examples(data)
         loss_sum, loss_count = self.metrics.loss_state(metrics)
+        with tf.control_dependencies(taus):
+            claimed = tf.timestamp() - start
         with tf.control_dependencies(writes + taus):
             seconds = tf.timestamp() - start
         logs = {name: value for name, value in driver.flatten_logs(step_logs).items()
@@ -301,7 +303,7 @@ class _AsyncState:
         names = sorted(logs)
         self.log_names[k] = names
         return step_report.pack(worker, seconds, examples, loss_sum, loss_count, taus,
-                                logs, names, state=metrics, skipped=skipped)
+                                logs, names, state=metrics, skipped=skipped, claimed=claimed)
 
     def _one_step(self, data, worker, step_start, faults, metrics):
         """`model.train_step(data)` with the version read with its weights and

@@ -238,6 +238,8 @@ def local_round(state, batches, worker, faults, outer_optimizer, elastic=None):
     else:
         writes, skipped = _push(state, outer_optimizer, trainable, delta, opt_vars, opt, opt0,
                                 non_trainable, nt, nt0, tau, worker, w0)
+    with tf.control_dependencies([tau]):
+        claimed = tf.timestamp() - start
     with tf.control_dependencies(writes + [tau]):
         seconds = tf.timestamp() - start
     loss_sum, loss_count = state.metrics.loss_state(metrics)
@@ -246,7 +248,7 @@ def local_round(state, batches, worker, faults, outer_optimizer, elastic=None):
     names = sorted(logs)
     state.log_names[len(batches)] = names
     return step_report.pack(worker, seconds, examples, loss_sum, loss_count, [tau],
-                            logs, names, state=metrics, skipped=skipped)
+                            logs, names, state=metrics, skipped=skipped, claimed=claimed)
 
 
 def _local_step(model, optimizer, data, trainable, w, non_trainable, nt, metric_vars,

@@ -95,11 +95,15 @@ class StepRecord:
         worker: Integer. Index of the worker that ran it.
         staleness: List of integers, one tau per step in the execution.
         seconds: Float. Wall time the worker spent on the execution.
+        claimed: Float. Seconds from the execution's start to its last
+            update's version claim: the window in which other workers'
+            updates make it stale (NaN when unknown).
     """
 
     worker: int
     staleness: List[int]
     seconds: float
+    claimed: float = float("nan")
 
 
 class StalenessStats:

@@ -5,7 +5,7 @@ Both executors measure, on the replica or worker that ran an execution of
 one float64 vector (one tensor: a single copy to the chief):
 
     [state..., logs..., worker, seconds, examples, loss_sum, loss_count, skipped,
-     waited, stalled, tau_1 ... tau_k]
+     waited, stalled, claimed, tau_1 ... tau_k]
 
 `logs` are the execution's metric results (asynchronous training only; the
 synchronous executor reduces its logs the Keras way). `loss_sum` and
@@ -15,6 +15,9 @@ the staleness of each update (asynchronous only; none in synchronous
 training). `waited` is the time a synchronous replica spent at the
 all-reduce waiting for the others, and `stalled` the time its process
 could not run (`keras_dist.stall`); both NaN in asynchronous training.
+`claimed` is the time from the execution's start to its last update's
+claim of a version (asynchronous only): the window in which other updates
+make it stale.
 """
 
 import dataclasses
@@ -27,7 +30,7 @@ import tensorflow as tf
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 
 FIELDS = ("worker", "seconds", "examples", "loss_sum", "loss_count", "skipped", "waited",
-          "stalled")
+          "stalled", "claimed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +54,8 @@ class StepReport:
             steps (synchronous only; NaN otherwise).
         stalled: Float. Seconds this replica's process could not run since
             the previous execution (synchronous only; NaN otherwise).
+        claimed: Float. Seconds from the execution's start to its last
+            update's version claim (asynchronous only; NaN otherwise).
     """
 
     worker: int
@@ -63,10 +68,11 @@ class StepReport:
     state: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
     waited: float = math.nan
     stalled: float = math.nan
+    claimed: float = math.nan
 
 
 def pack(worker, seconds, examples, loss_sum, loss_count, taus=(), logs=None, names=(),
-         state=(), skipped=0, waited=math.nan, stalled=math.nan):
+         state=(), skipped=0, waited=math.nan, stalled=math.nan, claimed=math.nan):
     """The float64 vector of one execution (in a traced function).
 
     Args:
@@ -78,12 +84,13 @@ def pack(worker, seconds, examples, loss_sum, loss_count, taus=(), logs=None, na
         skipped: Scalar tensor (or 0): updates skipped as non-finite.
         waited: Scalar tensor (or NaN): seconds waited at the all-reduce.
         stalled: Scalar tensor (or NaN): seconds the process could not run.
+        claimed: Scalar tensor (or NaN): seconds to the last version claim.
     """
     head = [tf.cast(tf.reshape(t, [-1]), tf.float64) for t in state]
     head += [tf.reshape(tf.cast(logs[n], tf.float64), [1]) for n in names]
     fields = [tf.cast(v, tf.float64)
               for v in (worker, seconds, examples, loss_sum, loss_count, skipped, waited,
-                        stalled)]
+                        stalled, claimed)]
     tail = [tf.cast(t, tf.float64) for t in taus]
     return tf.concat(head + [tf.stack(fields + tail)], axis=0)
 
@@ -93,7 +100,7 @@ def unpack(vector, names: Sequence[str] = (), state_size: int = 0) -> StepReport
     values = vector.numpy() if hasattr(vector, "numpy") else np.asarray(vector)
     state, values = values[:state_size], values[state_size:]
     n = len(names)
-    worker, seconds, examples, loss_sum, loss_count, skipped, waited, stalled = \
+    worker, seconds, examples, loss_sum, loss_count, skipped, waited, stalled, claimed = \
         values[n:n + len(FIELDS)]
     taus = tuple(int(t) for t in values[n + len(FIELDS):])
     return StepReport(
@@ -101,7 +108,7 @@ def unpack(vector, names: Sequence[str] = (), state_size: int = 0) -> StepReport
         examples=None if np.isnan(examples) else int(examples),
         loss=float(loss_sum / loss_count) if loss_count > 0 else math.nan,
         staleness=taus, skipped=int(skipped), waited=float(waited),
-        stalled=float(stalled),
+        stalled=float(stalled), claimed=float(claimed),
         logs={name: float(v) for name, v in zip(names, values[:n])},
         state=state)
 

@@ -49,6 +49,9 @@ def test_async_digits_training(request, shared_cluster, steps_per_execution):
     per_worker = result["updates_per_worker"]
     assert sorted(per_worker) == ["0", "1"] and all(v > 0 for v in per_worker.values())
     assert sum(per_worker.values()) == result["scheduled_steps"] // 4
+    # Each execution's staleness window ends at its last claim, inside the
+    # execution (which goes on to apply the update).
+    assert all(0 < claimed <= seconds for claimed, seconds in result["windows"])
     # Metric state lost no concurrent update: the last epoch's loss counted
     # exactly steps x batch size examples (each execution's additions are
     # summed on the chief and written to the metric variables at epoch end).

@@ -70,6 +70,7 @@ def main(out_dir):
             "scheduled_steps": epochs * steps,
             "batches_seen": len(batches),
             "updates_per_worker": {str(k): v for k, v in stats.updates_per_worker().items()},
+            "windows": [[r.claimed, r.seconds] for r in stats.records],
             "last_epoch_examples_counted": loss_count,
             "reloaded_class": type(reloaded).__name__,
             "reloaded_predictions_match": bool(same),
