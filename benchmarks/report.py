@@ -231,19 +231,23 @@ def simulator_validation(lines):
         f"1, on local clusters (chief, N workers, 1 ps), {data['repeats']} runs per setting; "
         f"`simulate.fit` with the profile measured in them, {data['sim_seeds']} seeds. Staleness "
         "after the first epoch; accuracy on the test digits.\n",
-        "| setting | profile (slowdowns; gaps; sigma) | tau mean real / simulated (no gap) "
-        "| tau p95 real / simulated | test accuracy real / simulated | agrees on |",
+        "| setting | profile (slowdowns; gaps; sigma; cores) | tau mean real / simulated "
+        "(gap only; no gap) | tau p95 real / simulated | test accuracy real / simulated "
+        "| agrees on |",
         "|---|---|---|---|---|---|",
     ]
     for row in data["rows"]:
         real, sim, no_gap = row["real"], row["simulated"], row["simulated_without_gap"]
+        gap_only = row.get("simulated_gap_only", sim)
+        cores = f"; {row['concurrency']}" if row.get("concurrency") else "; -"
         setting = f"N={row['workers']}" + (f", worker 0 x{data['factor']:g}" if row["slowed"]
                                           else ", equal")
         slow = ", ".join(f"w{w} x{f:.2f}" for w, f in row["stragglers"].items()) or "equal"
         gaps = " ".join(f"{g:.1f}" for g in row["gaps"].values())
         lines.append(
-            f"| {setting} | {slow}; {gaps}; {row['sigma']:.2f} | {real['tau_mean']:.2f} / "
-            f"{sim['tau_mean']:.2f} ({no_gap['tau_mean']:.2f}) | {real['tau_p95']:.1f} / "
+            f"| {setting} | {slow}; {gaps}; {row['sigma']:.2f}{cores} | {real['tau_mean']:.2f} / "
+            f"{sim['tau_mean']:.2f} ({gap_only['tau_mean']:.2f}; {no_gap['tau_mean']:.2f}) | "
+            f"{real['tau_p95']:.1f} / "
             f"{sim['tau_p95']:.1f} | {100 * real['accuracy_mean']:.1f} / "
             f"{100 * sim['accuracy_mean']:.1f} | "
             + (", ".join(k for k, ok in row["agrees"].items() if ok) or "none") + " |")

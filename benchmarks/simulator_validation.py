@@ -14,7 +14,10 @@ traces and starts up): each worker's mean step time, from its read to its
 version claim, over the fastest's gives its slowdown (`stragglers`); the rest of
 its cycle (steady wall time / its updates, minus the step) gives its `gap`;
 the spread of log step times within each worker gives the log-normal
-`sigma`. The simulator without the gap is shown too.
+`sigma`; and, since all the cluster's processes share this machine's cores,
+no more workers computing at once than there are cores (`concurrency`). The
+simulator without the cores limit, and without the gap (as it was before),
+is shown too.
 Reported side by side, real (over `--repeats` runs) against simulated (over
 `--sim_seeds` seeds): mean and 95th-percentile staleness, each worker's
 share of the updates, and the final test accuracy.
@@ -151,7 +154,7 @@ def profile(runs, workers):
     return stragglers, gaps, sigma
 
 
-def simulated_run(workers, stragglers, gaps, sigma, seed):
+def simulated_run(workers, stragglers, gaps, sigma, seed, concurrency=None):
     import keras
 
     from keras_dist import simulate
@@ -162,7 +165,7 @@ def simulated_run(workers, stragglers, gaps, sigma, seed):
     model.compile(keras.optimizers.SGD(_LR.value), "sparse_categorical_crossentropy")
     _, sched = simulate.fit(model, x, y, workers=workers, epochs=_EPOCHS.value,
                             batch_size=BATCH, seed=seed, sigma=sigma, stragglers=stragglers,
-                            gap=gaps)
+                            gap=gaps, concurrency=concurrency)
     pred = np.argmax(model.predict(x_test, verbose=0), axis=1)
     steady = slice(len(x) // BATCH, None)  # as the real runs: after the first epoch
     counts = np.bincount(sched.workers[steady], minlength=workers)
@@ -202,14 +205,21 @@ def main(argv):
         for workers, slowed in SETTINGS:
             real = [real_run(workers, slowed, seed, tmp) for seed in range(_REPEATS.value)]
             stragglers, gaps, sigma = profile(real, workers)
-            sim = [simulated_run(workers, stragglers, gaps, sigma, seed)
-                   for seed in range(_SIM_SEEDS.value)]
-            # The simulator as it was before it modelled the gap, for comparison.
-            no_gap = [simulated_run(workers, stragglers, 0.0, sigma, seed)
-                      for seed in range(_SIM_SEEDS.value)]
+            # The whole model: the measured profile, and no more workers
+            # computing at once than the machine has cores (all processes of
+            # the real cluster share them).
+            cores = os.cpu_count() or 1
+            limit = cores if cores < workers else None
+            seeds = range(_SIM_SEEDS.value)
+            sim = [simulated_run(workers, stragglers, gaps, sigma, s, limit) for s in seeds]
+            # Its parts, for comparison: without the cores, and without the gap
+            # (the simulator before this benchmark).
+            gap_only = [simulated_run(workers, stragglers, gaps, sigma, s) for s in seeds]
+            no_gap = [simulated_run(workers, stragglers, 0.0, sigma, s) for s in seeds]
             row = {"workers": workers, "slowed": slowed, "stragglers": stragglers,
-                   "gaps": gaps, "sigma": sigma, "real": summary(real),
-                   "simulated": summary(sim), "simulated_without_gap": summary(no_gap)}
+                   "gaps": gaps, "sigma": sigma, "concurrency": limit, "real": summary(real),
+                   "simulated": summary(sim), "simulated_gap_only": summary(gap_only),
+                   "simulated_without_gap": summary(no_gap)}
             row["agrees"] = agrees(row["real"], row["simulated"])
             rows.append(row)
             print(f"N={workers} {'slowed' if slowed else 'equal'} done "
@@ -224,7 +234,7 @@ def report(rows, seconds):
     table = Table(title=f"Real clusters vs keras_dist.simulate ({_EPOCHS.value} epochs, "
                         f"SGD({_LR.value}), {_REPEATS.value} real runs, {_SIM_SEEDS.value} "
                         "simulated)")
-    for column in ("setting", "profile given", "tau mean real / sim (no gap)",
+    for column in ("setting", "profile given", "tau mean real / sim (gap only; no gap)",
                    "tau p95 real / sim", "update share real / sim", "accuracy real / sim",
                    "agrees"):
         table.add_column(column)
@@ -234,10 +244,12 @@ def report(rows, seconds):
                                           else ", equal")
         given = (", ".join(f"w{w} x{f:.2f}" for w, f in row["stragglers"].items()) or "equal")
         gaps = " ".join(f"{g:.1f}" for g in row["gaps"].values())
+        cores = f"; at most {row['concurrency']} at once" if row["concurrency"] else ""
         table.add_row(
-            setting, f"{given}; gaps {gaps}; sigma {row['sigma']:.2f}",
+            setting, f"{given}; gaps {gaps}; sigma {row['sigma']:.2f}{cores}",
             f"{real['tau_mean']:.2f} / {sim['tau_mean']:.2f} "
-            f"({row['simulated_without_gap']['tau_mean']:.2f})",
+            f"({row['simulated_gap_only']['tau_mean']:.2f}; "
+            f"{row['simulated_without_gap']['tau_mean']:.2f})",
             f"{real['tau_p95']:.1f} / {sim['tau_p95']:.1f}",
             f"{real['share']} / {sim['share']}",
             f"{100 * real['accuracy_mean']:.1f} [{100 * real['accuracy_range'][0]:.1f}-"

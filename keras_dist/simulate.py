@@ -13,7 +13,9 @@ network bandwidth and latency, parameter-server load, or the time the
 updates themselves take. Deterministic for a given seed.
 """
 
+import collections
 import dataclasses
+import heapq
 from typing import Dict
 
 import numpy as np
@@ -45,7 +47,7 @@ class Schedule:
 
 
 def schedule(workers, updates, *, speed="lognormal", sigma=0.2, stragglers=None,
-             outages=None, gap=0.0, seed=0):
+             outages=None, gap=0.0, concurrency=None, seed=0):
     """Simulates which worker lands each update, and its staleness.
 
     Each worker repeats: read the weights, compute for one step time, apply,
@@ -75,6 +77,11 @@ def schedule(workers, updates, *, speed="lognormal", sigma=0.2, stragglers=None,
         gap: Float >= 0, or a dict of worker index to float. Time between a
             worker's update and its next read, in step times. Defaults to
             `0.0` (workers compute all the time).
+        concurrency: Integer >= 1 or `None`. At most this many workers are
+            between their read and their update at once (workers sharing
+            CPU cores or an accelerator); a worker ready to start waits for
+            a free slot, first come first served, and reads the weights when
+            it gets one. `None` (default): no limit.
         seed: Integer. Defaults to `0`.
 
     Returns:
@@ -91,7 +98,8 @@ def schedule(workers, updates, *, speed="lognormal", sigma=0.2, stragglers=None,
     1.5
 
     Raises:
-        ValueError: for bad counts, speeds, factors, outages or gaps.
+        ValueError: for bad counts, speeds, factors, outages, gaps or
+            concurrency.
     """
     _check_int(workers, "workers", 1)
     _check_int(updates, "updates", 0)
@@ -116,12 +124,16 @@ def schedule(workers, updates, *, speed="lognormal", sigma=0.2, stragglers=None,
             raise ValueError(
                 f"`gap` is a time >= 0, or a dict mapping a worker index in [0, {workers}) "
                 f"to one. Received: gap={gap!r}.")
+    if concurrency is not None:
+        _check_int(concurrency, "concurrency", 1)
     rng = np.random.default_rng(seed)
 
     def duration(worker):
         base = 1.0 if speed == "constant" else rng.lognormal(0.0, sigma)
         return base * stragglers.get(worker, 1.0)
 
+    if concurrency is not None:
+        return _limited_schedule(workers, updates, duration, outages, gaps, concurrency)
     finish = np.array([duration(w) for w in range(workers)])
     read_at = np.zeros(workers, dtype=np.int64)
     order = np.empty(updates, dtype=np.int64)
@@ -152,6 +164,57 @@ def schedule(workers, updates, *, speed="lognormal", sigma=0.2, stragglers=None,
         else:
             read_at[w] = version + 1
             finish[w] += duration(w)
+    return Schedule(order, taus, times)
+
+
+def _limited_schedule(workers, updates, duration, outages, gaps, concurrency):
+    """`schedule` with at most `concurrency` workers computing at once, as
+    events in time order: a worker's update lands (kind 0), or a worker is
+    ready to start a step (kind 1; after its gap or an outage). Step times
+    are drawn when a step is scheduled, in the same order as `schedule`
+    draws them, so `concurrency >= workers` gives `schedule`'s result."""
+    order = np.empty(updates, dtype=np.int64)
+    taus = np.empty(updates, dtype=np.int64)
+    times = np.empty(updates)
+    read_at = np.zeros(workers, dtype=np.int64)
+    step = {w: duration(w) for w in range(workers)}  # each worker's next step time
+    events, waiting = [], collections.deque()
+    state = {"landed": 0, "computing": 0}
+
+    def start(w, now):  # it reads the weights now: every update landed so far
+        state["computing"] += 1
+        read_at[w] = state["landed"]
+        heapq.heappush(events, (now + step.pop(w), 0, w))
+
+    def fill(now):
+        while waiting and state["computing"] < concurrency:
+            start(waiting.popleft(), now)
+
+    waiting.extend(range(workers))
+    fill(0.0)
+    while state["landed"] < updates:
+        now, kind, w = heapq.heappop(events)
+        if kind == 1:
+            waiting.append(w)
+            fill(now)
+            continue
+        state["computing"] -= 1
+        outage = outages.get(w)
+        if outage and now > outage[0]:  # down during this step: lost; back at the end
+            outages.pop(w)
+            step[w] = duration(w)
+            heapq.heappush(events, (outage[1], 1, w))
+        else:
+            u = state["landed"]
+            order[u], taus[u], times[u] = w, u - read_at[w], now
+            state["landed"] += 1
+            step[w] = duration(w)
+            wait = gaps.get(w, 0.0)
+            if wait:
+                heapq.heappush(events, (now + wait, 1, w))
+            else:
+                waiting.append(w)
+        fill(now)
     return Schedule(order, taus, times)
 
 
@@ -191,7 +254,7 @@ def fit(model, x, y, *, workers, epochs=1, batch_size=32, validation_data=None,
             push moves them and the centre (the model) `elastic` of the way
             towards each other, with the centre as the worker read it.
         **schedule_kwargs: `speed`, `sigma`, `stragglers`, `outages`,
-            `gap` (see `schedule`).
+            `gap`, `concurrency` (see `schedule`).
 
     Returns:
         `(history, schedule)`: a dict of per-epoch lists (`loss`, and

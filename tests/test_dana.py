@@ -61,6 +61,7 @@ def paper_master(weights, x, y, sched, *, workers, epochs, batch_size, seed):
     return theta, look_ahead()
 
 
+@pytest.mark.compat("wrappers")
 @pytest.mark.parametrize("workers", [2, 5])
 def test_simulated_dana_is_the_papers_master_exactly(workers):
     x, y = linear_problem()

@@ -135,6 +135,7 @@ def momentum_sgd(gamma, penalty_rule, weight_decay=0.0, scale_decay=False):
     return run
 
 
+@pytest.mark.compat("wrappers")
 @pytest.mark.parametrize("weight_decay, scale_decay", [(0.0, False), (0.1, False), (0.1, True)])
 def test_gap_aware_on_the_momentum_buffer_matches_numpy(weight_decay, scale_decay):
     weights, steps = make_state()

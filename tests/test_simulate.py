@@ -74,6 +74,29 @@ def test_a_worker_with_a_long_gap_lands_fewer_updates_and_makes_the_others_fresh
     assert sched.staleness[sched.workers != 0].mean() == pytest.approx(2.25, rel=0.05)
 
 
+@pytest.mark.parametrize("kwargs", [
+    dict(speed="constant"), dict(sigma=0.3), dict(stragglers={0: 3.0}), dict(gap=1.5),
+    dict(gap={1: 2.0}, stragglers={2: 0.5}), dict(speed="constant", outages={2: (10.5, 50.0)}),
+    dict(outages={1: (3.0, 9.0)}, gap=0.7)])
+def test_concurrency_of_every_worker_is_the_unlimited_schedule_exactly(kwargs):
+    for workers in (3, 4, 16):
+        free = simulate.schedule(workers, 500, seed=3, **kwargs)
+        limited = simulate.schedule(workers, 500, seed=3, concurrency=workers, **kwargs)
+        np.testing.assert_array_equal(free.workers, limited.workers)
+        np.testing.assert_array_equal(free.staleness, limited.staleness)
+        np.testing.assert_allclose(free.times, limited.times)
+
+
+@pytest.mark.parametrize("workers, concurrency", [(4, 1), (4, 2), (16, 4), (8, 8)])
+def test_at_most_c_workers_computing_makes_equal_workers_c_minus_one_stale(workers, concurrency):
+    """Equal workers taking turns for C slots: while one computes, C - 1
+    others do, and each of them lands once."""
+    sched = simulate.schedule(workers, 40 * workers, speed="constant", concurrency=concurrency)
+    assert set(sched.staleness[workers:].tolist()) == {concurrency - 1}
+    counts = np.bincount(sched.workers, minlength=workers)
+    assert counts.max() - counts.min() <= 1  # first come, first served: everyone in turn
+
+
 def test_schedule_is_deterministic_under_a_seed():
     a = simulate.schedule(8, 300, seed=5)
     b = simulate.schedule(8, 300, seed=5)
@@ -89,6 +112,8 @@ def test_schedule_is_deterministic_under_a_seed():
     (dict(workers=2, updates=5, gap=-1.0), r"`gap` is a time >= 0.*Received: gap=-1.0"),
     (dict(workers=2, updates=5, gap={2: 1.0}), r"Received: gap=\{2: 1.0\}"),
     (dict(workers=2, updates=5, gap="long"), "`gap` is a time >= 0"),
+    (dict(workers=2, updates=5, concurrency=0),
+     "`concurrency` must be an integer >= 1. Received: concurrency=0"),
 ])
 def test_bad_schedule_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
