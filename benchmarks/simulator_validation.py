@@ -1,6 +1,6 @@
 """Does `keras_dist.simulate` predict real asynchronous training?
 
-    python benchmarks/simulator_validation.py          # ~6 minutes on 2 cores
+    python benchmarks/simulator_validation.py          # ~2 minutes on 2 cores
 
 For N = 2 and 4 workers, once with equal workers and once with worker 0
 slowed 3x in-graph (`KERAS_DIST_SLOW_WORKER`), a real local cluster (chief,

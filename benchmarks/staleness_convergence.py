@@ -1,6 +1,6 @@
 """A fair convergence study under simulated staleness: every method tuned.
 
-    python benchmarks/staleness_convergence.py --workers 4,16,64,256   # ~15 min on 2 cores
+    python benchmarks/staleness_convergence.py --workers 4,16,64,256   # ~20 min on 2 cores
 
 Simulates N asynchronous workers in one process with `keras_dist.simulate`
 (each gradient on the weights its worker pulled; log-normal step times,
