@@ -35,6 +35,15 @@ def section(lines, name, heading):
     return data
 
 
+def plot(lines, name, alt):
+    """Copies a benchmark's plot into docs/benchmarks/ and shows it, if it was made."""
+    png = os.path.join(RESULTS, name)
+    if os.path.exists(png):
+        os.makedirs(os.path.join(DOCS, "benchmarks"), exist_ok=True)
+        shutil.copy(png, os.path.join(DOCS, "benchmarks", name))
+        lines.append(f"![{alt}](benchmarks/{name})\n")
+
+
 def machine():
     import keras
     import tensorflow as tf
@@ -141,12 +150,7 @@ def ps_throughput(lines):
             "",
             "Target: share >= 0.25 with accuracy within 1 point of k = 1.\n",
         ]
-        png = os.path.join(RESULTS, "ps_local_steps.png")
-        if os.path.exists(png):
-            os.makedirs(os.path.join(DOCS, "benchmarks"), exist_ok=True)
-            shutil.copy(png, os.path.join(DOCS, "benchmarks", "ps_local_steps.png"))
-            lines.append("![Local steps: throughput and accuracy against k]"
-                         "(benchmarks/ps_local_steps.png)\n")
+        plot(lines, "ps_local_steps.png", "Local steps: throughput and accuracy against k")
 
 
 def ps_startup(lines):
@@ -214,11 +218,7 @@ def staleness_convergence(lines):
                 cells.append(f"{sum(acc) / len(acc):.1f} [{min(acc):.1f}-{max(acc):.1f}]")
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         lines.append("")
-    png = os.path.join(RESULTS, "staleness_convergence.png")
-    if os.path.exists(png):
-        os.makedirs(os.path.join(DOCS, "benchmarks"), exist_ok=True)
-        shutil.copy(png, os.path.join(DOCS, "benchmarks", "staleness_convergence.png"))
-        lines.append("![accuracy against simulated workers](benchmarks/staleness_convergence.png)\n")
+    plot(lines, "staleness_convergence.png", "accuracy against simulated workers")
 
 
 def simulator_validation(lines):
@@ -252,11 +252,7 @@ def simulator_validation(lines):
             f"{100 * sim['accuracy_mean']:.1f} | "
             + (", ".join(k for k, ok in row["agrees"].items() if ok) or "none") + " |")
     lines.append("")
-    png = os.path.join(RESULTS, "simulator_validation.png")
-    if os.path.exists(png):
-        os.makedirs(os.path.join(DOCS, "benchmarks"), exist_ok=True)
-        shutil.copy(png, os.path.join(DOCS, "benchmarks", "simulator_validation.png"))
-        lines.append("![staleness, real against simulated](benchmarks/simulator_validation.png)\n")
+    plot(lines, "simulator_validation.png", "staleness, real against simulated")
 
 
 def straggler(lines):
@@ -292,12 +288,8 @@ def straggler(lines):
         "machines where workers do not share cores the asynchronous side loses the "
         "straggler's share (at 4x, 3/8 of two workers' throughput).\n",
     ]
-    png = os.path.join(RESULTS, "straggler.png")
-    if os.path.exists(png):
-        os.makedirs(os.path.join(DOCS, "benchmarks"), exist_ok=True)
-        shutil.copy(png, os.path.join(DOCS, "benchmarks", "straggler.png"))
-        lines.append("![accuracy against time and throughput, with and without a "
-                     "straggler](benchmarks/straggler.png)\n")
+    plot(lines, "straggler.png",
+         "accuracy against time and throughput, with and without a straggler")
 
 
 def ps_sharded(lines):
