@@ -39,6 +39,7 @@ parameter servers.
 
 import collections
 import contextlib
+import dataclasses
 import logging
 
 import keras
@@ -62,6 +63,22 @@ logger = logging.getLogger("keras_dist")
 
 WINDOW_PER_WORKER = 16
 """Closures scheduled ahead per worker while the chief waits on the oldest."""
+
+SHIP_GRADIENTS = True
+"""Send a step's gradients to their parameter server in one transfer and
+run the update there (`keras_dist.update.ship_gradients`) when all the
+weights live on one; `False` sends each gradient on its own (as measured
+against in `benchmarks/ps_throughput.py`)."""
+
+REPORT_RING = True
+"""Workers write their execution reports to a ring on a parameter server
+that the chief reads every few executions (`step_report.ReportRing`);
+`False` returns each report as the execution's result, copied to the chief
+one by one (as measured against in `benchmarks/ps_throughput.py`)."""
+
+RING_LOGS = 32
+"""Scalar logs a `train_step` may return for its report to go through the
+ring; a step with more returns its report as a result (slower)."""
 
 _LOST = (tf.errors.UnavailableError,)  # seen when a worker is cut off (test_multihost)
 
@@ -138,6 +155,9 @@ class AsyncExecutor(driver.Executor):
         self._batch_logs = driver.reads_batch_logs(callbacks)
         workers = len(self.cluster.cluster.get("worker", ())) if self.cluster else 4
         self._window = WINDOW_PER_WORKER * max(1, workers)
+        self._read_every = max(1, self._window // 4)
+        self._ring = (None if self._local or not REPORT_RING
+                      else self.state.ring_for(self._per_call, self._window))
 
     def begin_epoch(self):
         super().begin_epoch()
@@ -148,15 +168,24 @@ class AsyncExecutor(driver.Executor):
 
     def train_epoch(self, train_input):
         steps, per_call = train_input.steps, self._per_call
+        ring = self._ring
         pending = collections.deque()
-        scheduled = 0
-        while scheduled < steps or pending:
+        scheduled = done = waited = 0  # done: steps whose results were taken
+        stopped = False
+
+        def taken(vector, k, skipped=0):
+            nonlocal done
+            report = self._take(vector, k, skipped)
+            done += k
+            return driver.BatchEnd(done - 1, report[0], report[1])
+
+        while (scheduled < steps or pending) and not stopped:
             while scheduled < steps and len(pending) < self._window:
                 k = min(per_call, steps - scheduled)
                 yield driver.BatchBegin(scheduled)
                 fn = self.state.step_function(k, self.faults, local=self._local,
                                               outer=self.outer_optimizer,
-                                              elastic=self._copies)
+                                              elastic=self._copies, ring=ring)
                 optimizer = self.model.optimizer
                 counting = (contextlib.nullcontext() if self._local  # stateless: counted by delta
                             else update.atomic_iterations(optimizer))
@@ -177,26 +206,52 @@ class AsyncExecutor(driver.Executor):
                                "logs are not counted.", end - k + 1, end,
                                type(error).__name__)
                 continue
-            report = step_report.unpack(value, self.state.log_names[k], self.metrics.size)
-            self.stats.add(StepRecord(worker=report.worker, staleness=list(report.staleness),
-                                      seconds=report.seconds, claimed=report.claimed))
-            self.metrics.add(report.state)
-            self.policy.add_skipped(report.skipped)
-            step = replica_cbs.ReplicaStep.from_report(report, "worker", steps=k)
-            logs = self.metrics.logs(report.logs) if self._batch_logs else report.logs
-            yield driver.BatchEnd(end, logs, [step])
-            if self.model.stop_training:
-                break
+            if value is not None:
+                yield taken(value, k)
+                stopped = self.model.stop_training
+                continue
+            waited += 1  # its report is in the ring: read it with others
+            if waited < self._read_every and pending:
+                continue
+            waited = 0
+            for row_k, skipped, vector in ring.take():
+                yield taken(vector, row_k, skipped)
+                if self.model.stop_training:
+                    stopped = True
+                    break
         with quiet_tf_logger("WARNING"):  # join() logs at INFO on every call
             self.coordinator.join()
         for _, k, remote in pending:  # stopped early: what already ran still counts
             try:
-                report = step_report.unpack(remote.fetch(), self.state.log_names[k],
-                                            self.metrics.size)
-                self.metrics.add(report.state)
-                self.policy.add_skipped(report.skipped)
+                value = remote.fetch()
             except _LOST:
                 self.stats.lost_results += 1
+                continue
+            if value is not None:
+                self._take(value, k)
+        if ring is not None:
+            lost = ring.lost
+            for row_k, skipped, vector in ring.take(final=True):
+                if stopped:
+                    self._take(vector, row_k, skipped)
+                else:
+                    yield taken(vector, row_k, skipped)
+                    stopped = self.model.stop_training
+            self.stats.lost_results += ring.lost - lost
+
+    def _take(self, vector, k, skipped=0):
+        """Counts one execution's report (and `skipped` updates counted apart
+        from it); returns its batch logs and steps."""
+        report = step_report.unpack(vector, self.state.log_names[k], self.metrics.size)
+        if skipped:
+            report = dataclasses.replace(report, skipped=report.skipped + skipped)
+        self.stats.add(StepRecord(worker=report.worker, staleness=list(report.staleness),
+                                  seconds=report.seconds, claimed=report.claimed))
+        self.metrics.add(report.state)
+        self.policy.add_skipped(report.skipped)
+        step = replica_cbs.ReplicaStep.from_report(report, "worker", steps=k)
+        logs = self.metrics.logs(report.logs) if self._batch_logs else report.logs
+        return logs, [step]
 
     def epoch_logs(self, last_logs):
         self.metrics.write()  # the epoch's totals, where Keras reads them
@@ -231,6 +286,7 @@ class _AsyncState:
         self._functions = {}
         self.log_names = {}
         self.metrics = None
+        self.ring = None
 
     @property
     def metric_variables(self):
@@ -244,14 +300,28 @@ class _AsyncState:
             self.metrics = ChiefMetrics(self.model)
         sharded.prepare(self.model)
 
-    def step_function(self, k, faults, local=False, outer=None, elastic=None):
+    def ring_for(self, per_call, window):
+        """The `step_report.ReportRing` for executions of up to `per_call`
+        steps with `window` of them in flight (made anew when too small)."""
+        width = (step_report.ReportRing.HEADER + self.metrics.size + RING_LOGS
+                 + len(step_report.FIELDS) + per_call)
+        ring = self.ring
+        if ring is None or ring.width < width or ring.capacity < 4 * window:
+            # Colocated with the version counter: a variable_partitioner
+            # never splits a colocated variable.
+            with self.strategy.scope(), \
+                    self.strategy.extended.colocate_vars_with(self.version.variable):
+                self.ring = step_report.ReportRing(width, 4 * window)
+        return self.ring
+
+    def step_function(self, k, faults, local=False, outer=None, elastic=None, ring=None):
         """The `tf.function` running `k` steps on a worker (with `local`: one
         round of local steps, `keras_dist.local_steps`); cached (like Keras'
         `train_function`) so later epochs and `fit` calls do not retrace.
         Keyed by the optimizers too: a new compile() must not reuse a
         function that captured the old optimizer."""
         key = (id(self.model.optimizer), k, faults.key if faults else (), local, id(outer),
-               id(elastic))
+               id(elastic), id(ring))
         if key not in self._functions:
             strategy = self.strategy
 
@@ -260,58 +330,99 @@ class _AsyncState:
                     worker = tf.distribute.coordinator.experimental_get_current_worker_index()
                     return local_steps_lib.local_round(self, batches, worker, faults, outer,
                                                        elastic)
-                return self._replica_steps(batches, k, faults)
+                return self._replica_steps(batches, k, faults, ring)
 
             @tf.function
             def run_steps(iterator):
                 # Batches are taken outside strategy.run: a distributed
                 # dataset_fn's iterator refuses next() inside the replica fn.
                 batches = [next(iterator) for _ in range(k)]
+                # With a ring the report is written there: nothing to keep
+                # on the worker or to copy (`None`).
                 return strategy.run(replica_fn, args=tuple(batches))
 
             self._functions[key] = run_steps
         return self._functions[key]
 
     # ------------------------------------------------------ on the worker
-    def _replica_steps(self, batches, k, faults):
+    def _replica_steps(self, batches, k, faults, ring=None):
+        """`k` steps on a worker and their report: written to `ring` (then
+        `None` is returned) or returned as a packed vector."""
         model = self.model
         worker = tf.distribute.coordinator.experimental_get_current_worker_index()
         with tf.control_dependencies([t for t in tf.nest.flatten(batches[0]) if t is not None]):
             start = tf.timestamp()
-        taus, writes, step_logs = [], [], {}
-        examples = skipped = tf.constant(0.0, tf.float64)
+        taus, writes, skips, step_logs, homes, ready = [], [], [], {}, [], []
+        examples = tf.constant(0.0, tf.float64)
         # The metrics' state, from zero, summed over the k steps on the worker;
         # the chief adds it up (`ChiefMetrics`): no metric round trips here.
         metrics = [tf.zeros(v.shape, v.dtype) for v in self.metric_variables]
+        # With a ring and every weight on one parameter server, each update
+        # runs there and its tau stays there: the report is finished there.
+        planned = (update.home_device(model.trainable_variables)
+                   if ring is not None and SHIP_GRADIENTS else None)
         for data in batches:
-            with tf.control_dependencies([start] + taus):
-                step_start = tf.timestamp() if taus else start
-                tau, step_writes, step_logs, metrics, step_skipped = self._one_step(
-                    data, worker, step_start, faults, metrics)
+            if planned is not None:
+                # No control edges from the worker into the step (each
+                # would cost a transfer to the parameter server): TF's
+                # automatic control dependencies already order each read of
+                # a variable after the previous step's write of it, the
+                # version's read after the previous claim included.
+                if taus:
+                    with tf.control_dependencies(ready):
+                        step_start = tf.timestamp()
+                else:
+                    step_start = start
+                step = self._one_step(data, worker, step_start, faults, metrics)
+            else:
+                with tf.control_dependencies([start] + taus):
+                    step_start = tf.timestamp() if taus else start
+                    step = self._one_step(data, worker, step_start, faults, metrics)
+            tau, step_writes, step_logs, metrics, step_skipped, home, ready = step
             if step_skipped is not None:
-                skipped += step_skipped
+                skips.append(step_skipped)
             taus.append(tau)
+            homes.append(home)
             writes += step_writes
             examples += step_report.batch_examples(data)
         loss_sum, loss_count = self.metrics.loss_state(metrics)
-        with tf.control_dependencies(taus):
-            claimed = tf.timestamp() - start
-        with tf.control_dependencies(writes + taus):
-            seconds = tf.timestamp() - start
         logs = {name: value for name, value in driver.flatten_logs(step_logs).items()
                 if _is_scalar(value)}
         names = sorted(logs)
         self.log_names[k] = names
-        return step_report.pack(worker, seconds, examples, loss_sum, loss_count, taus,
-                                logs, names, state=metrics, skipped=skipped, claimed=claimed)
+        on_server = planned is not None and set(homes) == {planned}
+        if on_server:
+            # The worker's part of the report ends when its last gradients
+            # leave it; the parameter server adds the taus and skips.
+            with tf.control_dependencies(ready + writes):
+                seconds = tf.timestamp() - start
+            report = step_report.pack(worker, seconds, examples, loss_sum, loss_count, (),
+                                      logs, names, state=metrics, claimed=seconds)
+            if ring.fits(report, extra=1 + k):
+                ring.write(report, k, taus=taus, skipped=skips)
+                return None
+        with tf.control_dependencies(taus):
+            claimed = tf.timestamp() - start
+        with tf.control_dependencies(writes + taus):
+            seconds = tf.timestamp() - start
+        skipped = tf.add_n(skips) if skips else 0
+        report = step_report.pack(worker, seconds, examples, loss_sum, loss_count, taus,
+                                  logs, names, state=metrics, skipped=skipped, claimed=claimed)
+        if ring is not None and ring.fits(report, extra=1):
+            ring.write(report, k)
+            return None
+        return report
 
     def _one_step(self, data, worker, step_start, faults, metrics):
         """`model.train_step(data)` with the version read with its weights and
         the update claimed and applied after it (a slowed worker sleeps before
         the claim: `factor - 1` times the time since `step_start`); the
         metrics' state starts at `metrics` (tensors). Returns `(tau, state
-        writes, the step's logs, the metrics' new state, skipped)`; skipped
-        is a 0/1 tensor when the policy gated the update, else `None`."""
+        writes, the step's logs, the metrics' new state, skipped, home,
+        ready)`; skipped is a float64 0/1 tensor when the policy gated the
+        update, else `None`; home is the device the update ran on when the
+        gradients were shipped there (`update.ship_gradients`), else `None`;
+        ready are the gradients as the worker computed them."""
         model, optimizer = self.model, self.model.optimizer
         read = self.version.read()
         slowed = bool(faults and faults.slowed)
@@ -351,21 +462,33 @@ class _AsyncState:
             ready = faults.slow_down(worker, now - step_start, now) or ready
             with tf.control_dependencies(ready):
                 grads = update.identity_all(grads)
-        # The claim waits for the gradients through one small data dependency
-        # (control edges would cost a transfer per gradient).
-        with tf.control_dependencies(ready):
-            one = tf.ones([], tf.int64)
-        tau = self.version.claim(read, one)
-        info = update.UpdateInfo(staleness=tau, pulled=pulled, worker=worker)
+        # When every weight lives on one parameter server, the gradients go
+        # there in one transfer and the whole update (claim, non-finite
+        # check, optimizer math) runs there on local tensors: one transfer
+        # per gradient and the learning rate's fewer.
+        computed = ready
+        home = update.home_device(variables) if SHIP_GRADIENTS else None
+        if home is not None:
+            grads = update.ship_gradients(grads, home)
+            ready = [t for t in tf.nest.flatten(grads, expand_composites=True)
+                     if t is not None]
+        with tf.device(home) if home is not None else contextlib.nullcontext():
+            # The claim waits for the gradients through one small data
+            # dependency (control edges across hosts cost a transfer each).
+            with tf.control_dependencies(ready):
+                one = tf.ones([], tf.int64)
+            tau = self.version.claim(read, one)
+            info = update.UpdateInfo(staleness=tau, pulled=pulled, worker=worker)
 
-        def apply_fn(grads, variables):
-            if isinstance(optimizer, StalenessAwareOptimizer):
-                original(grads, variables, update=info)
-                return
-            with update.providing(info):  # through a LossScaleOptimizer
-                original(grads, variables)
+            def apply_fn(grads, variables):
+                if isinstance(optimizer, StalenessAwareOptimizer):
+                    original(grads, variables, update=info)
+                    return
+                with update.providing(info):  # through a LossScaleOptimizer
+                    original(grads, variables)
 
-        skipped = self.policy.apply(apply_fn, grads, variables, optimizer=optimizer, gate=True)
+            skipped = self.policy.apply(apply_fn, grads, variables, optimizer=optimizer,
+                                        gate=True)
 
         metrics = [scope.get_current_value(v) for v in metric_vars]
         metric_ids = {id(v) for v in metric_vars}
@@ -374,7 +497,7 @@ class _AsyncState:
             new = scope.get_current_value(v)
             if new is not None and id(v) not in metric_ids:
                 writes.append(v.value.assign(new))  # last write wins
-        return tau, writes, step_logs, metrics, skipped
+        return tau, writes, step_logs, metrics, skipped, home, computed
 
 
 class ChiefMetrics:

@@ -24,6 +24,27 @@ import tensorflow as tf
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 
 
+def fetch_add(variable):
+    """Adds one to an integer variable and returns its value before, atomically.
+
+    `Variable.assign_add(..., read_value=True)` is an add followed by a
+    separate read: two workers adding at once can both read the sum of both
+    adds (and one value is never seen). TF's `CountUpTo` holds the
+    variable's lock from its read to its write. Runs where the variable is.
+
+    Example:
+
+    >>> import tensorflow as tf
+    >>> from keras_dist.staleness import fetch_add
+    >>> v = tf.Variable(tf.constant(5, tf.int64))
+    >>> int(fetch_add(v)), int(v.numpy())
+    (5, 6)
+    """
+    with tf.device(variable.device):
+        return tf.raw_ops.ResourceCountUpTo(resource=variable.handle,
+                                            limit=variable.dtype.max, T=variable.dtype)
+
+
 class VersionCounter:
     """An int64 parameter version on the parameter servers.
 
@@ -56,9 +77,11 @@ class VersionCounter:
         """Atomically adds one; returns the new version.
 
         `one` may be a tensor (equal to 1) computed where the claim should
-        wait: a single data dependency instead of control edges.
+        wait: the increment waits for it.
         """
-        return self.variable.assign_add(one, read_value=True)
+        deps = [one] if tf.is_tensor(one) else []
+        with tf.control_dependencies(deps):
+            return fetch_add(self.variable) + 1
 
     def claim(self, read, one=1):
         """Claims the next version; returns tau, the claims since `read`.

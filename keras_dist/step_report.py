@@ -28,6 +28,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
+from keras_dist import staleness
 
 FIELDS = ("worker", "seconds", "examples", "loss_sum", "loss_count", "skipped", "waited",
           "stalled", "claimed")
@@ -143,3 +144,109 @@ def batch_examples(data):
     if first is None:
         return tf.constant(np.nan, tf.float64)
     return tf.cast(tf.shape(first)[0], tf.float64)
+
+
+class ReportRing:
+    """Execution reports collected on a parameter server, read in batches.
+
+    Under parameter servers a function's result stays on its worker until
+    the chief copies it: returning a report costs the worker a result to
+    keep and the chief a copy per execution, about a third of a small
+    model's update rate (`benchmarks/ps_throughput.py`). Instead each
+    execution writes its report as one row of a ring on a parameter server
+    (the slot claimed there by an atomic `staleness.fetch_add`), and the chief reads the
+    whole ring now and then: one read for many executions.
+
+    A row is `[slot + 1, k, skipped, n, report (n values), 0...]`. The
+    report may be finished on the parameter server: `write` appends the
+    taus and sums the skips that were computed there (they never travel to
+    the worker). The first column tells the chief whether the row holds
+    the slot it expects, so rows are taken in slot order (the order the
+    executions finished) and never twice.
+
+    Create it in the `ParameterServerStrategy` scope, colocated with
+    another variable (`strategy.extended.colocate_vars_with`) so that a
+    `variable_partitioner` leaves it whole. A report without room
+    (`fits`) is returned by its execution as a result instead.
+
+    Args:
+        width: Columns per row (the four header columns included).
+        capacity: Rows. The chief must read before `capacity` executions
+            finish past the oldest one it has not taken.
+
+    Example:
+
+    >>> import tensorflow as tf
+    >>> from keras_dist.step_report import ReportRing
+    >>> ring = ReportRing(width=8, capacity=4)
+    >>> ring.write(tf.constant([1.0, 2.0], tf.float64), 1, taus=[tf.constant(3)])
+    >>> [(k, skipped, report.tolist()) for k, skipped, report in ring.take()]
+    [(1, 0, [1.0, 2.0, 3.0])]
+    >>> ring.take()   # nothing new
+    []
+    """
+
+    HEADER = 4
+
+    def __init__(self, width, capacity):
+        if width <= self.HEADER or capacity < 1:
+            raise ValueError(f"ReportRing needs width > {self.HEADER} and capacity >= 1; "
+                             f"got width={width}, capacity={capacity}.")
+        self.width, self.capacity = int(width), int(capacity)
+        once = tf.VariableAggregation.ONLY_FIRST_REPLICA
+        self.rows = tf.Variable(tf.zeros([self.capacity, self.width], tf.float64),
+                                trainable=False, name="keras_dist_reports", aggregation=once)
+        self.count = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                 name="keras_dist_report_count", aggregation=once)
+        self.next = 0  # on the chief: the oldest slot not taken yet
+        self.lost = 0  # slots claimed but never written (their execution failed)
+
+    def fits(self, report, extra=0):
+        """Whether a traced report vector, plus `extra` values appended by
+        `write`, has room in a row."""
+        return report.shape.rank == 1 and report.shape[0] is not None \
+            and report.shape[0] + extra + self.HEADER <= self.width
+
+    def write(self, report, k, taus=(), skipped=()):
+        """Writes one execution's report of `k` steps (in a traced function),
+        with `taus` (scalar tensors) appended and `skipped` (0/1 tensors)
+        summed where the ring lives."""
+        n = int(report.shape[0]) + len(taus)
+        with tf.device(self.rows.device):
+            slot = staleness.fetch_add(self.count)
+            skips = tf.add_n([tf.cast(s, tf.float64) for s in skipped]) if skipped \
+                else tf.constant(0.0, tf.float64)
+            header = tf.stack([tf.cast(slot + 1, tf.float64), tf.constant(k, tf.float64),
+                               skips, tf.constant(n, tf.float64)])
+            row = tf.concat([header, tf.cast(report, tf.float64)]
+                            + [tf.reshape(tf.cast(t, tf.float64), [1]) for t in taus]
+                            + [tf.zeros([self.width - self.HEADER - n], tf.float64)], axis=0)
+            index = tf.math.floormod(slot, self.capacity)
+            self.rows.scatter_update(tf.IndexedSlices(row[tf.newaxis], index[tf.newaxis]))
+
+    def take(self, final=False):
+        """`(k, skipped, report)` of the rows written since the last `take`,
+        in slot order (eager, on the chief). Stops at the first slot not
+        written yet; with `final` (no execution running) it passes those,
+        counting them in `lost`."""
+        rows = self.rows.numpy()
+        end = int(self.count.numpy()) if final else self.next + self.capacity
+        out = []
+        slot = self.next
+        while slot < end:
+            row = rows[slot % self.capacity]
+            stamp = int(row[0])
+            if stamp == slot + 1:
+                n = int(row[3])
+                out.append((int(row[1]), int(row[2]), row[self.HEADER:self.HEADER + n]))
+            elif stamp > slot + 1:
+                raise RuntimeError(
+                    f"keras_dist: report slot {slot} was overwritten before the chief read "
+                    f"it (ring of {self.capacity} rows); this is a keras_dist bug.")
+            elif final:
+                self.lost += 1
+            else:
+                break
+            slot += 1
+        self.next = slot
+        return out

@@ -527,6 +527,67 @@ def scale_gradients(grads, scale):
     return out
 
 
+def home_device(variables):
+    """The one device every variable of `variables` lives on, else `None`.
+
+    `None` as well for a `ShardedVariable` (several devices), an empty list,
+    or a variable without a device string.
+
+    Example:
+
+    >>> import keras
+    >>> from keras_dist.update import home_device
+    >>> layer = keras.layers.Dense(2)
+    >>> layer.build((None, 3))
+    >>> home_device(layer.trainable_variables).endswith("CPU:0")
+    True
+    """
+    devices = set()
+    for variable in variables:
+        value = getattr(variable, "value", variable)
+        try:
+            device = value.device
+        except (AttributeError, ValueError, NotImplementedError):
+            return None
+        if not isinstance(device, str) or not device:
+            return None
+        devices.add(device)
+    return devices.pop() if len(devices) == 1 else None
+
+
+def ship_gradients(grads, device):
+    """`grads` as tensors on `device`, sent in one transfer per dtype.
+
+    Each gradient consumed on a parameter server is otherwise a transfer of
+    its own. Here the dense gradients of each dtype are flattened into one
+    vector where they were computed, and split back on `device`, so the
+    update's math there reads local tensors. `None`, sparse
+    (`IndexedSlices`) and not fully shaped gradients are left as they are.
+
+    Example:
+
+    >>> import tensorflow as tf
+    >>> from keras_dist.update import ship_gradients
+    >>> grads = [tf.ones((2, 3)), None, tf.zeros((3,))]
+    >>> shipped = ship_gradients(grads, "/CPU:0")
+    >>> [None if g is None else tuple(g.shape) for g in shipped]
+    [(2, 3), None, (3,)]
+    """
+    groups = {}
+    for i, g in enumerate(grads):
+        if tf.is_tensor(g) and not isinstance(g, tf.IndexedSlices) \
+                and g.shape.is_fully_defined():
+            groups.setdefault(g.dtype, []).append(i)
+    out = list(grads)
+    for indices in groups.values():
+        flat = tf.concat([tf.reshape(grads[i], [-1]) for i in indices], axis=0)
+        with tf.device(device):
+            parts = tf.split(flat, [grads[i].shape.num_elements() for i in indices])
+            for i, part in zip(indices, parts):
+                out[i] = tf.reshape(part, grads[i].shape)
+    return out
+
+
 def identity_all(grads):
     return [None if g is None
             else tf.nest.map_structure(tf.identity, g, expand_composites=True)
