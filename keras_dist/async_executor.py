@@ -8,7 +8,8 @@ free, and each step's update is applied on the parameter servers without
 waiting for anyone. The driver (`keras_dist.driver`) keeps Keras' callbacks,
 progress bar and `History`; batch-level hooks fire as the closures' results
 come back (`on_train_batch_begin` when a closure is scheduled,
-`on_train_batch_end` when its result arrives, in order).
+`on_train_batch_end` when its report is read: in the order scheduled, or,
+through the ring, in the order the executions finished).
 
 Around each `train_step` the executor adds, explicitly:
 
@@ -23,10 +24,17 @@ Around each `train_step` the executor adds, explicitly:
   optimizer's `iterations` counts with TF's atomic `assign_add`
   (`keras_dist.update.atomic_iterations`): Keras' read-then-write loses
   increments when workers race, and costs two transfers in a row;
+- transfers cut to the bone when every weight lives on one parameter
+  server: the gradients go there in one transfer and the whole update runs
+  there (`keras_dist.update.ship_gradients`); the taus stay there until the
+  execution's end; at `steps_per_execution=1` the execution's report rides
+  with the gradients and is kept in a ring there that the chief reads every
+  few executions (`keras_dist.step_report.ReportRing`) instead of being
+  returned and copied one by one;
 - exact metrics under concurrency, without a round trip: the step runs in
   a `keras.StatelessScope` in which every metric variable starts from zero
   (and, for later steps of the same execution, from the earlier steps'
-  sums); the execution returns what its steps added and the chief sums
+  sums); the execution reports what its steps added and the chief sums
   these (`ChiefMetrics`), writing the totals to the metric variables at
   each epoch's end. This is exact for any metric whose state is additive
   (sums and counts: every Keras built-in metric). Other state the step
@@ -71,10 +79,12 @@ weights live on one; `False` sends each gradient on its own (as measured
 against in `benchmarks/ps_throughput.py`)."""
 
 REPORT_RING = True
-"""Workers write their execution reports to a ring on a parameter server
-that the chief reads every few executions (`step_report.ReportRing`);
-`False` returns each report as the execution's result, copied to the chief
-one by one (as measured against in `benchmarks/ps_throughput.py`)."""
+"""At `steps_per_execution=1`, with every weight on one parameter server,
+workers write their execution reports to a ring there that the chief reads
+every few executions (`step_report.ReportRing`); `False` returns each
+report as the execution's result, copied to the chief one by one (as
+measured against in `benchmarks/ps_throughput.py`). Longer executions
+always return theirs: there the ring's writes cost more than the copies."""
 
 RING_LOGS = 32
 """Scalar logs a `train_step` may return for its report to go through the
@@ -156,8 +166,11 @@ class AsyncExecutor(driver.Executor):
         workers = len(self.cluster.cluster.get("worker", ())) if self.cluster else 4
         self._window = WINDOW_PER_WORKER * max(1, workers)
         self._read_every = max(1, self._window // 4)
-        self._ring = (None if self._local or not REPORT_RING
-                      else self.state.ring_for(self._per_call, self._window))
+        # The ring pays for executions of one step; longer ones return their
+        # report (measured in `benchmarks/ps_throughput.py`, docs
+        # "Where the time goes").
+        self._ring = (self.state.ring_for(self._per_call, self._window)
+                      if REPORT_RING and self._per_call == 1 and not self._local else None)
 
     def begin_epoch(self):
         super().begin_epoch()
@@ -347,7 +360,8 @@ class _AsyncState:
     # ------------------------------------------------------ on the worker
     def _replica_steps(self, batches, k, faults, ring=None):
         """`k` steps on a worker and their report: written to `ring` (then
-        `None` is returned) or returned as a packed vector."""
+        `None` is returned; only where every update runs on one parameter
+        server) or returned as a packed vector."""
         model = self.model
         worker = tf.distribute.coordinator.experimental_get_current_worker_index()
         with tf.control_dependencies([t for t in tf.nest.flatten(batches[0]) if t is not None]):
@@ -357,10 +371,24 @@ class _AsyncState:
         # The metrics' state, from zero, summed over the k steps on the worker;
         # the chief adds it up (`ChiefMetrics`): no metric round trips here.
         metrics = [tf.zeros(v.shape, v.dtype) for v in self.metric_variables]
-        # With a ring and every weight on one parameter server, each update
-        # runs there and its tau stays there: the report is finished there.
-        planned = (update.home_device(model.trainable_variables)
-                   if ring is not None and SHIP_GRADIENTS else None)
+        # With every weight on one parameter server, each update runs there
+        # (`update.ship_gradients`) and its tau stays there until the end.
+        planned = update.home_device(model.trainable_variables) if SHIP_GRADIENTS else None
+        carry = shipped = None
+        if ring is not None and planned is not None and k == 1:
+            def carry(step_logs, new_metrics, computed):
+                # The whole report, but its taus and skips, goes with the
+                # gradients: no transfer of its own.
+                loss_sum, loss_count = self.metrics.loss_state(new_metrics)
+                logs = {name: value for name, value in driver.flatten_logs(step_logs).items()
+                        if _is_scalar(value)}
+                names = sorted(logs)
+                with tf.control_dependencies(computed):
+                    seconds = tf.timestamp() - start
+                report = step_report.pack(
+                    worker, seconds, step_report.batch_examples(batches[0]), loss_sum,
+                    loss_count, (), logs, names, state=new_metrics, claimed=seconds)
+                return report if ring.fits(report, extra=1 + k) else None
         for data in batches:
             if planned is not None:
                 # No control edges from the worker into the step (each
@@ -373,7 +401,9 @@ class _AsyncState:
                         step_start = tf.timestamp()
                 else:
                     step_start = start
-                step = self._one_step(data, worker, step_start, faults, metrics)
+                step = self._one_step(data, worker, step_start, faults, metrics, carry)
+                if carry is not None:
+                    shipped, step = step[-1], step[:-1]
             else:
                 with tf.control_dependencies([start] + taus):
                     step_start = tf.timestamp() if taus else start
@@ -390,30 +420,40 @@ class _AsyncState:
                 if _is_scalar(value)}
         names = sorted(logs)
         self.log_names[k] = names
-        on_server = planned is not None and set(homes) == {planned}
-        if on_server:
-            # The worker's part of the report ends when its last gradients
-            # leave it; the parameter server adds the taus and skips.
-            with tf.control_dependencies(ready + writes):
-                seconds = tf.timestamp() - start
-            report = step_report.pack(worker, seconds, examples, loss_sum, loss_count, (),
-                                      logs, names, state=metrics, claimed=seconds)
-            if ring.fits(report, extra=1 + k):
-                ring.write(report, k, taus=taus, skipped=skips)
+        if planned is not None and set(homes) == {planned}:
+            if shipped is not None:
+                ring.write(shipped, k, taus=taus, skipped=skips)
                 return None
-        with tf.control_dependencies(taus):
-            claimed = tf.timestamp() - start
-        with tf.control_dependencies(writes + taus):
-            seconds = tf.timestamp() - start
-        skipped = tf.add_n(skips) if skips else 0
-        report = step_report.pack(worker, seconds, examples, loss_sum, loss_count, taus,
-                                  logs, names, state=metrics, skipped=skipped, claimed=claimed)
-        if ring is not None and ring.fits(report, extra=1):
-            ring.write(report, k)
-            return None
-        return report
+            if ring is not None:
+                # The worker's part of the report ends when its last
+                # gradients leave it; the parameter server adds the taus
+                # and skips and keeps the row.
+                with tf.control_dependencies(ready + writes):
+                    seconds = tf.timestamp() - start
+                report = step_report.pack(worker, seconds, examples, loss_sum, loss_count,
+                                          (), logs, names, state=metrics, claimed=seconds)
+                if ring.fits(report, extra=1 + k):
+                    ring.write(report, k, taus=taus, skipped=skips)
+                    return None
+            # The taus and skips come back in one transfer.
+            with tf.device(planned):
+                back = tf.stack([tf.cast(t, tf.float64) for t in taus]
+                                + [tf.add_n(skips) if skips else tf.constant(0.0, tf.float64)])
+            taus, skipped = tf.unstack(back)[:k], back[k]
+            with tf.control_dependencies([back]):
+                claimed = tf.timestamp() - start
+            with tf.control_dependencies(writes + [back]):
+                seconds = tf.timestamp() - start
+        else:
+            with tf.control_dependencies(taus):
+                claimed = tf.timestamp() - start
+            with tf.control_dependencies(writes + taus):
+                seconds = tf.timestamp() - start
+            skipped = tf.add_n(skips) if skips else 0
+        return step_report.pack(worker, seconds, examples, loss_sum, loss_count, taus,
+                                logs, names, state=metrics, skipped=skipped, claimed=claimed)
 
-    def _one_step(self, data, worker, step_start, faults, metrics):
+    def _one_step(self, data, worker, step_start, faults, metrics, carry=None):
         """`model.train_step(data)` with the version read with its weights and
         the update claimed and applied after it (a slowed worker sleeps before
         the claim: `factor - 1` times the time since `step_start`); the
@@ -422,7 +462,10 @@ class _AsyncState:
         ready)`; skipped is a float64 0/1 tensor when the policy gated the
         update, else `None`; home is the device the update ran on when the
         gradients were shipped there (`update.ship_gradients`), else `None`;
-        ready are the gradients as the worker computed them."""
+        ready are the gradients as the worker computed them. With `carry`, a
+        function of `(step logs, metrics' state, ready)` giving a float64
+        vector (or `None`), that vector travels with shipped gradients and is
+        returned as it arrived on `home` (else `None`) as an eighth item."""
         model, optimizer = self.model, self.model.optimizer
         read = self.version.read()
         slowed = bool(faults and faults.slowed)
@@ -468,8 +511,14 @@ class _AsyncState:
         # per gradient and the learning rate's fewer.
         computed = ready
         home = update.home_device(variables) if SHIP_GRADIENTS else None
+        metric_ids = {id(v) for v in metric_vars}
+        state = [(v, scope.get_current_value(v)) for v in model.variables
+                 if id(v) not in metric_ids and scope.get_current_value(v) is not None]
+        metrics = [scope.get_current_value(v) for v in metric_vars]
+        shipped = None
         if home is not None:
-            grads = update.ship_gradients(grads, home)
+            extra = carry(step_logs, metrics, computed) if carry and not state else None
+            grads, shipped = update.ship_gradients(grads, home, extra=extra)
             ready = [t for t in tf.nest.flatten(grads, expand_composites=True)
                      if t is not None]
         with tf.device(home) if home is not None else contextlib.nullcontext():
@@ -490,13 +539,9 @@ class _AsyncState:
             skipped = self.policy.apply(apply_fn, grads, variables, optimizer=optimizer,
                                         gate=True)
 
-        metrics = [scope.get_current_value(v) for v in metric_vars]
-        metric_ids = {id(v) for v in metric_vars}
-        writes = []
-        for v in model.variables:
-            new = scope.get_current_value(v)
-            if new is not None and id(v) not in metric_ids:
-                writes.append(v.value.assign(new))  # last write wins
+        writes = [v.value.assign(new) for v, new in state]  # last write wins
+        if carry is not None:
+            return tau, writes, step_logs, metrics, skipped, home, computed, shipped
         return tau, writes, step_logs, metrics, skipped, home, computed
 
 

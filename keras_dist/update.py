@@ -544,7 +544,7 @@ def home_device(variables):
     """
     devices = set()
     for variable in variables:
-        value = getattr(variable, "value", variable)
+        value = variable.value if isinstance(variable, keras.Variable) else variable
         try:
             device = value.device
         except (AttributeError, ValueError, NotImplementedError):
@@ -555,7 +555,7 @@ def home_device(variables):
     return devices.pop() if len(devices) == 1 else None
 
 
-def ship_gradients(grads, device):
+def ship_gradients(grads, device, extra=None):
     """`grads` as tensors on `device`, sent in one transfer per dtype.
 
     Each gradient consumed on a parameter server is otherwise a transfer of
@@ -563,29 +563,47 @@ def ship_gradients(grads, device):
     vector where they were computed, and split back on `device`, so the
     update's math there reads local tensors. `None`, sparse
     (`IndexedSlices`) and not fully shaped gradients are left as they are.
+    `extra`, a float64 vector (a step's report), rides along bit for bit
+    in the same transfer.
+
+    Returns:
+        `(grads, extra)`, both on `device` (`extra` is `None` without one).
 
     Example:
 
     >>> import tensorflow as tf
     >>> from keras_dist.update import ship_gradients
     >>> grads = [tf.ones((2, 3)), None, tf.zeros((3,))]
-    >>> shipped = ship_gradients(grads, "/CPU:0")
-    >>> [None if g is None else tuple(g.shape) for g in shipped]
-    [(2, 3), None, (3,)]
+    >>> shipped, extra = ship_gradients(grads, "/CPU:0", tf.constant([0.1], tf.float64))
+    >>> [None if g is None else tuple(g.shape) for g in shipped], float(extra[0])
+    ([(2, 3), None, (3,)], 0.1)
     """
     groups = {}
     for i, g in enumerate(grads):
         if tf.is_tensor(g) and not isinstance(g, tf.IndexedSlices) \
                 and g.shape.is_fully_defined():
             groups.setdefault(g.dtype, []).append(i)
-    out = list(grads)
-    for indices in groups.values():
-        flat = tf.concat([tf.reshape(grads[i], [-1]) for i in indices], axis=0)
+    out, arrived = list(grads), None
+    carrier = next((d for d in groups if d.is_floating and 8 % d.size == 0), None)
+    if extra is not None and carrier is None:
         with tf.device(device):
-            parts = tf.split(flat, [grads[i].shape.num_elements() for i in indices])
+            arrived = tf.identity(extra)
+    for dtype, indices in groups.items():
+        pieces = [tf.reshape(grads[i], [-1]) for i in indices]
+        sizes = [grads[i].shape.num_elements() for i in indices]
+        if extra is not None and dtype == carrier:  # the float64 bits as `dtype`s
+            ratio = 8 // dtype.size
+            pieces.append(tf.reshape(tf.bitcast(tf.cast(extra, tf.float64), dtype), [-1]))
+            sizes.append(int(extra.shape[0]) * ratio)
+        flat = tf.concat(pieces, axis=0)
+        with tf.device(device):
+            parts = tf.split(flat, sizes)
             for i, part in zip(indices, parts):
                 out[i] = tf.reshape(part, grads[i].shape)
-    return out
+            if extra is not None and dtype == carrier:
+                bits = parts[-1] if ratio == 1 else tf.reshape(parts[-1], [-1, ratio])
+                arrived = tf.bitcast(bits, tf.float64)
+    return out, arrived
 
 
 def identity_all(grads):

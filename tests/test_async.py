@@ -52,6 +52,13 @@ def test_async_digits_training(request, shared_cluster, steps_per_execution):
     # Each execution's staleness window ends at its last claim, inside the
     # execution (which goes on to apply the update).
     assert all(0 < claimed <= seconds for claimed, seconds in result["windows"])
+    # At steps_per_execution 1 the reports went through the ring on the
+    # parameter server, one row per execution, none lost or read twice;
+    # longer executions returned theirs.
+    if steps_per_execution == "1":
+        assert result["ring"] == {"taken": result["scheduled_steps"], "lost": 0}, result["ring"]
+    else:
+        assert result["ring"] is None
     # Metric state lost no concurrent update: the last epoch's loss counted
     # exactly steps x batch size examples (each execution's additions are
     # summed on the chief and written to the metric variables at epoch end).

@@ -61,6 +61,7 @@ def main(out_dir):
     same = np.allclose(reloaded.predict(x_test, verbose=0), model.predict(x_test, verbose=0),
                        atol=1e-6)
     stats = model.staleness_stats
+    ring = model.__dict__["_kd_async_state"].ring
     with open(os.path.join(out_dir, "result.json"), "w") as f:
         json.dump({
             "history": history.history,
@@ -71,6 +72,7 @@ def main(out_dir):
             "batches_seen": len(batches),
             "updates_per_worker": {str(k): v for k, v in stats.updates_per_worker().items()},
             "windows": [[r.claimed, r.seconds] for r in stats.records],
+            "ring": None if ring is None else {"taken": ring.next, "lost": ring.lost},
             "last_epoch_examples_counted": loss_count,
             "reloaded_class": type(reloaded).__name__,
             "reloaded_predictions_match": bool(same),

@@ -1,0 +1,115 @@
+"""The pieces that cut a parameter-server update's transfers, in one process.
+
+`update.ship_gradients` (gradients and a report in one transfer),
+`step_report.ReportRing` (reports collected where the version lives) and
+`staleness.fetch_add` (an atomic claim). Their use in real clusters is
+checked by test_async (ps_train.py at steps_per_execution 1 and 5).
+"""
+
+import threading
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_dist import staleness
+from keras_dist import update
+from keras_dist.step_report import ReportRing
+
+
+def test_ship_gradients_keeps_values_and_carries_float64_bits_exactly():
+    rng = np.random.default_rng(0)
+    grads = [tf.constant(rng.normal(size=(3, 4)), tf.float32), None,
+             tf.constant(rng.normal(size=(5,)), tf.float32),
+             tf.constant(rng.normal(size=(2, 2)), tf.float16)]
+    sparse = tf.IndexedSlices(tf.ones((2, 3)), tf.constant([0, 4]), tf.constant([6, 3]))
+    grads.append(sparse)
+    extra = tf.constant([np.pi, -0.0, 1e-300, np.inf, np.nan, 123456789.123456789],
+                        tf.float64)
+    shipped, arrived = update.ship_gradients(grads, "/CPU:0", extra=extra)
+    for before, after in zip(grads[:4], shipped[:4]):
+        if before is None:
+            assert after is None
+        else:
+            assert after.dtype == before.dtype and after.shape == before.shape
+            np.testing.assert_array_equal(after.numpy(), before.numpy())
+    assert shipped[4] is sparse  # sparse gradients travel as they are
+    # Bit for bit, NaN and signed zero included.
+    np.testing.assert_array_equal(arrived.numpy().view(np.int64), extra.numpy().view(np.int64))
+
+
+@pytest.mark.parametrize("dtype", [tf.float16, tf.float64])
+def test_ship_gradients_carries_the_report_in_any_float_width(dtype):
+    extra = tf.constant([1.0 / 3, -7.5, 2.0 ** -40], tf.float64)
+    shipped, arrived = update.ship_gradients([tf.ones((4,), dtype)], "/CPU:0", extra=extra)
+    np.testing.assert_array_equal(shipped[0].numpy(), np.ones(4))
+    np.testing.assert_array_equal(arrived.numpy(), extra.numpy())
+
+
+def test_ship_gradients_without_dense_gradients_still_delivers_the_report():
+    sparse = tf.IndexedSlices(tf.ones((1, 2)), tf.constant([1]), tf.constant([3, 2]))
+    shipped, arrived = update.ship_gradients([sparse, None], "/CPU:0",
+                                             extra=tf.constant([5.0], tf.float64))
+    assert shipped == [sparse, None]
+    assert arrived.numpy().tolist() == [5.0]
+
+
+def test_home_device_is_the_one_device_or_none():
+    a, b = tf.Variable(1.0), tf.Variable(2.0)
+    assert update.home_device([a, b]) == a.device
+
+    class Elsewhere:
+        device = "/job:ps/replica:0/task:1/device:CPU:0"
+
+    assert update.home_device([a, Elsewhere()]) is None
+    assert update.home_device([]) is None
+
+
+def test_report_ring_takes_rows_in_slot_order_and_counts_lost_slots():
+    ring = ReportRing(width=10, capacity=8)
+    for i in range(2):
+        ring.write(tf.constant([10.0 + i], tf.float64), 1, taus=[tf.constant(i)],
+                   skipped=[tf.constant(1.0, tf.float64)])
+    staleness.fetch_add(ring.count)  # slot 2: claimed by an execution that then failed
+    ring.write(tf.constant([13.0, 14.0], tf.float64), 2, taus=[tf.constant(0), tf.constant(5)])
+    taken = ring.take()  # stops at the slot not written yet
+    assert [(k, s, r.tolist()) for k, s, r in taken] == [(1, 1, [10.0, 0.0]),
+                                                         (1, 1, [11.0, 1.0])]
+    assert ring.take() == []
+    final = ring.take(final=True)  # nothing runs any more: slot 2 is lost
+    assert [(k, s, r.tolist()) for k, s, r in final] == [(2, 0, [13.0, 14.0, 0.0, 5.0])]
+    assert ring.lost == 1 and ring.next == 4
+
+
+def test_report_ring_refuses_to_read_an_overwritten_slot():
+    ring = ReportRing(width=6, capacity=2)
+    for i in range(3):  # slot 2 overwrites slot 0 before the chief read it
+        ring.write(tf.constant([float(i)], tf.float64), 1)
+    with pytest.raises(RuntimeError, match="slot 0 was overwritten"):
+        ring.take()
+
+
+def test_report_ring_fits_and_bad_sizes():
+    ring = ReportRing(width=7, capacity=1)
+    assert ring.fits(tf.zeros([2], tf.float64), extra=1)
+    assert not ring.fits(tf.zeros([3], tf.float64), extra=1)
+    with pytest.raises(ValueError, match="width=4"):
+        ReportRing(width=4, capacity=1)
+
+
+def test_fetch_add_hands_out_every_value_once_under_concurrency():
+    counter = tf.Variable(tf.constant(0, tf.int64))
+    claim = tf.function(lambda: staleness.fetch_add(counter))
+    seen, threads = [], []
+
+    def worker():
+        got = [int(claim()) for _ in range(300)]
+        seen.extend(got)
+
+    for _ in range(4):
+        threads.append(threading.Thread(target=worker))
+        threads[-1].start()
+    for t in threads:
+        t.join()
+    assert sorted(seen) == list(range(1200))
+    assert int(counter.numpy()) == 1200
