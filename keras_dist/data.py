@@ -370,6 +370,7 @@ def per_worker_input(strategy, x, y=None, sample_weight=None, *, batch_size=None
     batch_size = batch_size or DEFAULT_BATCH_SIZE
     steps = steps or math.ceil(num_samples((x,)) / batch_size)
 
+    @tf.autograph.experimental.do_not_convert  # plain tf.data calls: nothing to convert
     def dataset_fn():  # built on the worker: the arrays travel as constants
         return from_arrays(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
                            class_weight=class_weight, seed=None, repeat=True)

@@ -233,7 +233,9 @@ class _StepFunctions:
 
             self._functions[k] = (
                 run if self.model.run_eagerly
-                else tf.function(run, jit_compile=bool(self.model.jit_compile)))
+                # Not converted by AutoGraph, like Keras' own step functions.
+                else tf.function(run, jit_compile=bool(self.model.jit_compile),
+                                 autograph=False))
         return self._functions[k]
 
     def _call(self, k, iterator):

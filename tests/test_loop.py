@@ -299,3 +299,30 @@ def test_only_the_leading_task_shows_a_live_progress_bar(strategy, data, task, l
     shown = capsys.readouterr().out
     assert ("\r" in shown or "\b" in shown) == live, repr(shown)
     assert "4/4" in shown and "loss:" in shown  # the epoch's line, either way
+
+
+class _PythonIfOnTensors(keras.Model):
+    def train_step(self, data):
+        x, _ = data
+        if tf.reduce_sum(x) > 0:  # a Python `if` on a tensor: needs AutoGraph
+            pass
+        return super().train_step(data)
+
+
+def test_train_step_is_not_autograph_converted_exactly_as_in_keras_fit(strategy, data):
+    # Keras 3 traces train_step without AutoGraph (do_not_convert in its TF
+    # trainer), so Python control flow on tensors fails there; the owned
+    # loop must not quietly accept what Keras' own fit refuses.
+    x, y = data
+
+    def make(scope_strategy):
+        with scope_strategy.scope():
+            inputs = keras.Input((8,))
+            model = _PythonIfOnTensors(inputs, keras.layers.Dense(2)(inputs))
+            model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    with pytest.raises(tf.errors.OperatorNotAllowedInGraphError):
+        make(tf.distribute.get_strategy()).fit(x, y, epochs=1, verbose=0)
+    with pytest.raises(tf.errors.OperatorNotAllowedInGraphError):
+        own_fit(make(strategy), strategy, x, y, epochs=1, verbose=0)
