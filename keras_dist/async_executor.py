@@ -412,6 +412,10 @@ class _AsyncState:
         if key not in self._functions:
             strategy = self.strategy
 
+            # Not converted by AutoGraph, like Keras' own step functions
+            # (`do_not_convert` in its TF trainer): the same `train_step`
+            # semantics, and no conversion of it on the first call.
+            @tf.autograph.experimental.do_not_convert
             def replica_fn(*batches):
                 if local:
                     worker = tf.distribute.coordinator.experimental_get_current_worker_index()
@@ -419,10 +423,9 @@ class _AsyncState:
                                                        elastic)
                 return self._replica_steps(batches, k, faults, ring)
 
-            # Not converted by AutoGraph, like Keras' own step functions
-            # (`do_not_convert` in its TF trainer): the same `train_step`
-            # semantics, and no conversion cost on the first call.
-            @tf.function(autograph=False)
+            # Converted by AutoGraph only here (tf.data refuses more than 32
+            # `next` calls in one unconverted function).
+            @tf.function
             def run_steps(iterator):
                 # Batches are taken outside strategy.run: a distributed
                 # dataset_fn's iterator refuses next() inside the replica fn.

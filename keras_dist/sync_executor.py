@@ -207,7 +207,11 @@ class _StepFunctions:
 
     def _function(self, k):
         if k not in self._functions:
-            strategy, replica_fn = self._strategy, self._replica_fn()
+            strategy = self._strategy
+            # Not converted by AutoGraph, like Keras' own step functions
+            # (`do_not_convert` in its TF trainer); `run` is (tf.data
+            # refuses more than 32 `next` calls in an unconverted function).
+            replica_fn = tf.autograph.experimental.do_not_convert(self._replica_fn())
 
             def run(iterator, stalled=None):
                 records = []
@@ -233,9 +237,7 @@ class _StepFunctions:
 
             self._functions[k] = (
                 run if self.model.run_eagerly
-                # Not converted by AutoGraph, like Keras' own step functions.
-                else tf.function(run, jit_compile=bool(self.model.jit_compile),
-                                 autograph=False))
+                else tf.function(run, jit_compile=bool(self.model.jit_compile)))
         return self._functions[k]
 
     def _call(self, k, iterator):

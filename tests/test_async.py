@@ -203,3 +203,7 @@ def test_no_retracing_under_parameter_servers(request, shared_cluster):
     assert counts["evaluate"]["test_step"] == 1
     assert counts["predict_call_traces"] <= 2
     assert counts["local_step_traces"] == [1, 1]
+    # Executions of 40 steps (more than tf.data's 32 `next` calls in a
+    # function without AutoGraph) run, every step counted.
+    assert counts["updates_of_40_step_executions"] == {"steps_per_execution": 80,
+                                                       "local_steps": 80}

@@ -326,3 +326,12 @@ def test_train_step_is_not_autograph_converted_exactly_as_in_keras_fit(strategy,
         make(tf.distribute.get_strategy()).fit(x, y, epochs=1, verbose=0)
     with pytest.raises(tf.errors.OperatorNotAllowedInGraphError):
         own_fit(make(strategy), strategy, x, y, epochs=1, verbose=0)
+
+
+def test_more_than_32_steps_per_execution(strategy, data):
+    # tf.data refuses more than 32 `next` calls in a function AutoGraph has
+    # not converted; the owned loop unrolls steps_per_execution of them.
+    x, y = data
+    model = build(strategy, steps_per_execution=40)
+    own_fit(model, strategy, x, y, batch_size=4, epochs=1, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 50

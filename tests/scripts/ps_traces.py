@@ -67,6 +67,18 @@ def main(out_dir):
         functions = other.__dict__["_kd_async_state"]._functions.values()
         traces.append(sum(f.experimental_get_tracing_count() for f in functions))
     counts["local_step_traces"] = traces
+    # Executions of more than 32 steps: tf.data refuses more than 32 `next`
+    # calls in a function AutoGraph has not converted.
+    long = {}
+    for name, kwargs in {"steps_per_execution": {}, "local_steps": {"local_steps": 40}}.items():
+        with strategy.scope():
+            inputs = keras.Input((64,))
+            model = kd.AsyncModel(inputs, keras.layers.Dense(10, activation="softmax")(inputs))
+            model.compile("sgd", "sparse_categorical_crossentropy",
+                          steps_per_execution=40 if not kwargs else 1)
+        model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=80, verbose=0, **kwargs)
+        long[name] = int(model.optimizer.iterations.numpy())
+    counts["updates_of_40_step_executions"] = long
     with open(os.path.join(out_dir, "result.json"), "w") as f:
         json.dump(counts, f)
 
