@@ -239,7 +239,7 @@ class AsyncExecutor(driver.Executor):
             if waited < self._read_every and pending:
                 continue
             waited = 0
-            for row_k, skipped, vector in ring.take():
+            for row_k, skipped, vector in ring.take(in_flight=self._window):
                 yield taken(vector, row_k, skipped)
                 if self.model.stop_training:
                     stopped = True

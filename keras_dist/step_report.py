@@ -224,13 +224,16 @@ class ReportRing:
             index = tf.math.floormod(slot, self.capacity)
             self.rows.scatter_update(tf.IndexedSlices(row[tf.newaxis], index[tf.newaxis]))
 
-    def take(self, final=False):
+    def take(self, final=False, in_flight=None):
         """`(k, skipped, report)` of the rows written since the last `take`,
         in slot order (eager, on the chief). Stops at the first slot not
-        written yet; with `final` (no execution running) it passes those,
-        counting them in `lost`."""
+        written yet, unless it is lost: with `final` (no execution running),
+        or when at least `in_flight` (the most executions that can run at
+        once) later slots are written, its execution failed after claiming
+        it. Lost slots are counted in `lost`."""
         rows = self.rows.numpy()
         end = int(self.count.numpy()) if final else self.next + self.capacity
+        stamps = rows[:, 0].astype(np.int64)
         out = []
         slot = self.next
         while slot < end:
@@ -243,7 +246,8 @@ class ReportRing:
                 raise RuntimeError(
                     f"keras_dist: report slot {slot} was overwritten before the chief read "
                     f"it (ring of {self.capacity} rows); this is a keras_dist bug.")
-            elif final:
+            elif final or (in_flight is not None
+                           and int(np.sum(stamps > slot + 1)) >= in_flight):
                 self.lost += 1
             else:
                 break

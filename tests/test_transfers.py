@@ -81,6 +81,17 @@ def test_report_ring_takes_rows_in_slot_order_and_counts_lost_slots():
     assert ring.lost == 1 and ring.next == 4
 
 
+def test_report_ring_passes_a_lost_slot_once_more_than_can_run_at_once_are_written():
+    ring = ReportRing(width=6, capacity=8)
+    staleness.fetch_add(ring.count)  # slot 0: its execution failed after claiming it
+    for i in range(3):
+        ring.write(tf.constant([float(i)], tf.float64), 1)
+    assert ring.take(in_flight=4) == []  # slot 0 could still be running
+    ring.write(tf.constant([3.0], tf.float64), 1)
+    assert [r.tolist() for _, _, r in ring.take(in_flight=4)] == [[0.0], [1.0], [2.0], [3.0]]
+    assert ring.lost == 1 and ring.next == 5
+
+
 def test_report_ring_refuses_to_read_an_overwritten_slot():
     ring = ReportRing(width=6, capacity=2)
     for i in range(3):  # slot 2 overwrites slot 0 before the chief read it
