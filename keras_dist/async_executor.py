@@ -50,6 +50,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
+import time
 
 import keras
 import numpy as np
@@ -58,6 +59,7 @@ import tensorflow as tf
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 from keras_dist import data as data_lib
 from keras_dist import driver
+from keras_dist import inflight
 from keras_dist import local_steps as local_steps_lib
 from keras_dist import sharded
 from keras_dist import step_report
@@ -129,6 +131,7 @@ class AsyncExecutor(driver.Executor):
                                                       cluster=self.cluster)
         self.stats = StalenessStats()
         self._survived = 0
+        self._flight = None
 
     make_train_input = staticmethod(data_lib.per_worker_input)
 
@@ -177,6 +180,13 @@ class AsyncExecutor(driver.Executor):
         # "Where the time goes").
         self._ring = (self.state.ring_for(self._per_call, self._window)
                       if REPORT_RING and self._per_call == 1 and not self._local else None)
+        # Executions counted as they finish; at most one stuck per worker
+        # (each worker runs one at a time), so the fetches never run out.
+        self._max_stuck = max(1, workers)
+        self._flight = inflight.InFlight(threads=self._window + self._max_stuck + 1)
+        self._rows_due = 0  # ring: executions finished whose reports are not read yet
+        self._nominal = 0  # the steps of the epochs run so far
+        self._warned_stuck = False
 
     def begin_epoch(self):
         super().begin_epoch()
@@ -186,82 +196,159 @@ class AsyncExecutor(driver.Executor):
             self._aware.reset_staleness_logs()
 
     def train_epoch(self, train_input):
+        """Yields the epoch's events; the epoch ends once `steps` steps have
+        finished, in whatever order and on whichever workers they ran
+        (`keras_dist.inflight`). Executions still running then (stuck on a
+        stopped worker, or started before a late one landed) stay in flight
+        and count in the epoch they land in."""
         steps, per_call = train_input.steps, self._per_call
-        ring = self._ring
-        pending = collections.deque()
-        scheduled = done = waited = 0  # done: steps whose results were taken
-        stopped = False
+        ring, flight = self._ring, self._flight
+        self._epoch = {"finished": 0, "reported": 0, "begun": 0}
+        epoch = self._epoch
+        while True:
+            if not self.model.stop_training:
+                while self._may_schedule(steps):
+                    k = min(per_call, steps - epoch["finished"] - flight.live_steps)
+                    yield driver.BatchBegin(epoch["begun"])
+                    epoch["begun"] += k
+                    fn = self.state.step_function(k, self.faults, local=self._local,
+                                                  outer=self.outer_optimizer,
+                                                  elastic=self._copies, ring=ring)
+                    flight.add(self._schedule(fn), k, fn)
+            finished = epoch["finished"] >= steps or (self.model.stop_training
+                                                     and not flight.live)
+            short = None
+            if ring is not None and self._rows_due and (
+                    finished or self._rows_due >= self._read_every or not flight.live):
+                for row_k, skipped, vector in ring.take(in_flight=self._window,
+                                                        limit=self._rows_due):
+                    self._rows_due -= 1
+                    yield self._batch_end(vector, row_k, skipped)
+                if self._rows_due and finished:
+                    # A row is written but an earlier slot is still being
+                    # written: it is there in a moment.
+                    short = 0.001
+            if finished and not self._rows_due:
+                # Steps scheduled beyond the epochs' own: replacements for
+                # stuck executions (less those made up by landing late).
+                self._nominal += epoch["begun"] if self.model.stop_training else steps
+                flight.counts.speculative = max(0, flight.counts.scheduled - self._nominal)
+                return
+            got = self._wait(flight, short)
+            if got is not None:
+                event = self._landed(*got)
+                if event is not None:
+                    yield event
 
-        def taken(vector, k, skipped=0):
-            nonlocal done
-            report = self._take(vector, k, skipped)
-            done += k
-            return driver.BatchEnd(done - 1, report[0], report[1])
+    def _may_schedule(self, steps):
+        flight = self._flight
+        return (self._epoch["finished"] + flight.live_steps < steps
+                and flight.live < self._window and len(flight.stuck) <= self._max_stuck)
 
-        while (scheduled < steps or pending) and not stopped:
-            while scheduled < steps and len(pending) < self._window:
-                k = min(per_call, steps - scheduled)
-                yield driver.BatchBegin(scheduled)
-                fn = self.state.step_function(k, self.faults, local=self._local,
-                                              outer=self.outer_optimizer,
-                                              elastic=self._copies, ring=ring)
-                pending.append((scheduled + k - 1, k, self._schedule(fn), fn))
-                scheduled += k
-            end, k, remote, fn = pending.popleft()
-            try:
-                value = remote.fetch()
-            except tf.errors.CancelledError:
-                # Never ran: the coordinator dropped its queue on an error
-                # that `_survive` judged a worker's, not a parameter server's.
-                pending.appendleft((end, k, self._schedule(fn), fn))
-                continue
-            except _LOST as error:
-                if _FROM_PS in str(error):
-                    # It failed calling a parameter server: rerun it, as TF
-                    # reruns the first three such failures itself.
-                    self._survive(error)
-                    pending.appendleft((end, k, self._schedule(fn), fn))
-                    continue
-                # The step ran (its update is on the parameter servers) but
-                # the worker holding its result became unreachable before
-                # the chief copied it: only its numbers are lost.
-                self.stats.lost_results += 1
-                logger.warning("keras_dist: the result of steps %d-%d was lost with an "
-                               "unreachable worker (%s); its update was applied, its "
-                               "logs are not counted.", end - k + 1, end,
-                               type(error).__name__)
-                continue
-            if value is not None:
-                yield taken(value, k)
-                stopped = self.model.stop_training
-                continue
-            waited += 1  # its report is in the ring: read it with others
-            if waited < self._read_every and pending:
-                continue
-            waited = 0
-            for row_k, skipped, vector in ring.take(in_flight=self._window):
-                yield taken(vector, row_k, skipped)
-                if self.model.stop_training:
-                    stopped = True
+    def _wait(self, flight, at_most=None):
+        """The next execution to land, or `None` once the next judgement of
+        stuck executions is due (or after `at_most` seconds)."""
+        wait = flight.next_judgement()
+        wait = 1.0 if wait is None else min(1.0, wait + 0.001)
+        if at_most is not None:
+            wait = min(wait, at_most)
+        got = flight.next(timeout=wait)
+        if got is None:
+            newly = flight.judge()
+            if newly and not self._warned_stuck:
+                self._warned_stuck = True
+                logger.warning(
+                    "keras_dist: %d execution(s) have run more than %.1f s (%.0fx the usual "
+                    "time); training goes on without waiting for them: replacements are "
+                    "scheduled, and each counts in the epoch it lands in. A worker that "
+                    "does not answer for ~10 s is declared lost and its step rerun "
+                    "elsewhere.", len(newly), flight.stuck_after(), inflight.STUCK_FACTOR)
+        return got
+
+    def _landed(self, execution, value, error):
+        """Counts one execution that ended; returns its `BatchEnd` or `None`."""
+        flight = self._flight
+        if error is None:
+            self._epoch["finished"] += execution.steps
+            if value is None:
+                self._rows_due += 1  # its report is in the ring: read it with others
+                return None
+            return self._batch_end(value, execution.steps)
+        if isinstance(error, tf.errors.CancelledError):
+            # Never ran: the coordinator dropped its queue on an error
+            # that `_survive` judged a worker's, not a parameter server's.
+            self._rerun(execution)
+            return None
+        if isinstance(error, _LOST):
+            if _FROM_PS in str(error):
+                # It failed calling a parameter server: rerun it, as TF
+                # reruns the first three such failures itself.
+                self._survive(error)
+                self._rerun(execution)
+                return None
+            # The step ran (its update is on the parameter servers) but the
+            # worker holding its result became unreachable before the
+            # chief copied it: only its numbers are lost.
+            self.stats.lost_results += 1
+            flight.lose(execution)
+            self._epoch["finished"] += execution.steps
+            logger.warning("keras_dist: the result of %d step(s) was lost with an "
+                           "unreachable worker (%s); the update was applied, its logs "
+                           "are not counted.", execution.steps, type(error).__name__)
+            return None
+        raise error
+
+    def _rerun(self, execution):
+        rerun = self._flight.add(self._schedule(execution.fn), execution.steps,
+                                 execution.fn, count=False)
+        rerun.stuck = execution.stuck
+
+    def _batch_end(self, vector, k, skipped=0):
+        logs, replica_steps = self._take(vector, k, skipped)
+        self._epoch["reported"] += k
+        return driver.BatchEnd(self._epoch["reported"] - 1, logs, replica_steps)
+
+    def end_training(self):
+        """Waits for what is still in flight (stopped early, or stuck):
+        executions expected to finish until they do or are judged stuck,
+        stuck ones up to `inflight.END_WAIT` seconds; the rest is lost."""
+        flight, ring = self._flight, self._ring
+        deadline = None
+        self._epoch = {"finished": 0, "reported": 0, "begun": 0}
+        while flight.pending:
+            at_most = None
+            if not flight.live:
+                if deadline is None:
+                    deadline = time.monotonic() + inflight.END_WAIT
+                if time.monotonic() >= deadline:
                     break
-        self._join()
-        for _, k, remote, _ in pending:  # stopped early: what already ran still counts
-            try:
-                value = remote.fetch()
-            except (tf.errors.CancelledError, *_LOST):
-                self.stats.lost_results += 1
-                continue
-            if value is not None:
-                self._take(value, k)
+                at_most = deadline - time.monotonic()
+            got = self._wait(flight, at_most)
+            if got is not None:
+                self._landed(*got)  # counted, past the last epoch's logs
+        stuck = list(flight.pending)
+        for execution in stuck:
+            flight.lose(execution)
+        if stuck:
+            logger.warning(
+                "keras_dist: %d step(s) were still running on a worker that stopped "
+                "answering when fit ended (waited %.0f s); they are counted lost "
+                "(model.step_counts). Their updates are applied if that worker goes on.",
+                sum(e.steps for e in stuck), inflight.END_WAIT)
+        else:
+            self._join()
         if ring is not None:
             lost = ring.lost
-            for row_k, skipped, vector in ring.take(final=True):
-                if stopped:
-                    self._take(vector, row_k, skipped)
-                else:
-                    yield taken(vector, row_k, skipped)
-                    stopped = self.model.stop_training
+            for row_k, skipped, vector in ring.take(final=not stuck):
+                self._take(vector, row_k, skipped)
             self.stats.lost_results += ring.lost - lost
+        self._rows_due = 0
+        self.model.__dict__["step_counts"] = flight.counts.as_dict()
+
+    def release(self):
+        if self._flight is not None:
+            self.model.__dict__["step_counts"] = self._flight.counts.as_dict()
+            self._flight.close()
 
     def _schedule(self, fn):
         optimizer = self.model.optimizer
@@ -341,6 +428,7 @@ class AsyncExecutor(driver.Executor):
         return logs, [step]
 
     def epoch_logs(self, last_logs):
+        self.model.__dict__["step_counts"] = self._flight.counts.as_dict()
         self.metrics.write()  # the epoch's totals, where Keras reads them
         logs = super().epoch_logs(last_logs)
         logs.update(self.stats.logs())

@@ -22,16 +22,23 @@ _SERVERS = {}
 
 
 GRPC_KEEPALIVE = ",".join([
-    "grpc.keepalive_time_ms=5000",            # ping an idle connection every 5 s
-    "grpc.keepalive_timeout_ms=5000",         # dead if a ping is unanswered for 5 s
-    "grpc.keepalive_permit_without_calls=1",
-    "grpc.http2.max_pings_without_data=0",
-    "grpc.http2.min_time_between_pings_ms=5000",
-    "grpc.http2.min_ping_interval_without_data_ms=4000",  # servers accept them
-    # ... and never answer them with GOAWAY "too_many_pings": seen here to
-    # close a MultiWorkerMirrored peer's connection ~35 s into a run and
-    # leave a collective waiting forever.
-    "grpc.http2.max_ping_strikes=0",
+    # Ping a connection that has calls in flight after 5 s without reads,
+    # and declare the peer dead when a ping is not answered within 5 s: a
+    # worker that is stopped (SIGSTOP) or cut off fails its call in ~10 s.
+    "grpc.keepalive_time_ms=5000",
+    "grpc.keepalive_timeout_ms=5000",
+    # Newer gRPC waits for a ping's answer this long (default 60 s); the
+    # keepalive timeout alone was seen here to take 60 s to act.
+    "grpc.http2.ping_timeout_ms=5000",
+    # TensorFlow's servers take none of these options (TF_GRPC_DEFAULT_OPTIONS
+    # is read for channels only), so they keep gRPC's server defaults: a
+    # ping within 5 min of the last one, with no data sent back between, is
+    # a strike, and a third strike is answered with GOAWAY "too_many_pings"
+    # (seen here 14 times in a minute of an idle cluster). So: no pings on
+    # a connection without calls, and at most 2 pings after each message
+    # this side sends: an idle cluster collects no strikes.
+    "grpc.keepalive_permit_without_calls=0",
+    "grpc.http2.max_pings_without_data=2",
 ])
 """gRPC options keras_dist gives TensorFlow (`TF_GRPC_DEFAULT_OPTIONS`).
 

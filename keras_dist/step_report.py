@@ -224,19 +224,20 @@ class ReportRing:
             index = tf.math.floormod(slot, self.capacity)
             self.rows.scatter_update(tf.IndexedSlices(row[tf.newaxis], index[tf.newaxis]))
 
-    def take(self, final=False, in_flight=None):
+    def take(self, final=False, in_flight=None, limit=None):
         """`(k, skipped, report)` of the rows written since the last `take`,
         in slot order (eager, on the chief). Stops at the first slot not
         written yet, unless it is lost: with `final` (no execution running),
         or when at least `in_flight` (the most executions that can run at
         once) later slots are written, its execution failed after claiming
-        it. Lost slots are counted in `lost`."""
+        it. Lost slots are counted in `lost`. With `limit`, at most that
+        many rows."""
         rows = self.rows.numpy()
         end = int(self.count.numpy()) if final else self.next + self.capacity
         stamps = rows[:, 0].astype(np.int64)
         out = []
         slot = self.next
-        while slot < end:
+        while slot < end and (limit is None or len(out) < limit):
             row = rows[slot % self.capacity]
             stamp = int(row[0])
             if stamp == slot + 1:

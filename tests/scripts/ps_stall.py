@@ -1,0 +1,69 @@
+"""Asynchronous digits training for stalled-worker tests.
+
+argv: out_dir epochs steps [steps_per_execution [local_steps [idle]]]. The
+chief writes out_dir/result.json: the parameter version after `fit`, the
+steps its epochs have (epochs x steps), each epoch's wall time and updates
+per worker, test accuracy, and the executor's step counts
+(`model.step_counts`). With idle > 0 the chief then sits idle that many
+seconds (the cluster connected, nothing running) and trains one epoch more
+(`after_idle`: the version and counts after it).
+"""
+
+import json
+import os
+import sys
+import time
+
+import tensorflow as tf
+
+import keras_dist as kd
+
+strategy = kd.resolve_strategy()
+if not isinstance(strategy, tf.distribute.ParameterServerStrategy):
+    kd.serve()
+
+import keras  # noqa: E402
+
+from keras_dist.datasets import load_digits  # noqa: E402
+
+
+def main(out_dir, epochs, steps, per_call=1, local=1, idle=0):
+    (x, y), (x_test, y_test) = load_digits()
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        inputs = keras.Input((64,))
+        hidden = keras.layers.Dense(64, activation="relu")(inputs)
+        model = kd.AsyncModel(inputs, keras.layers.Dense(10, activation="softmax")(hidden))
+        model.compile(keras.optimizers.SGD(0.02, momentum=0.9),
+                      "sparse_categorical_crossentropy", metrics=["accuracy"],
+                      steps_per_execution=per_call)
+    per_epoch, times = [], []
+
+    def begin(epoch, logs):
+        times.append([time.time()])
+
+    def end(epoch, logs):
+        times[-1].append(time.time())
+        per_epoch.append({str(k): v for k, v in
+                          model.staleness_stats.updates_per_worker().items()})
+        print(f"epoch {epoch + 1} ended at {times[-1][1]:.3f}", flush=True)
+
+    record = keras.callbacks.LambdaCallback(on_epoch_begin=begin, on_epoch_end=end)
+    kwargs = {"local_steps": local} if local > 1 else {}
+    history = model.fit(x, y, epochs=epochs, steps_per_epoch=steps, batch_size=32, verbose=2,
+                        callbacks=[record], **kwargs)
+    version, counts, extra = model.version, model.step_counts, None
+    if idle:
+        time.sleep(idle)
+        model.fit(x, y, epochs=1, steps_per_epoch=steps, batch_size=32, verbose=2, **kwargs)
+        extra = {"version": model.version, "step_counts": model.step_counts}
+    accuracy = model.evaluate(x_test, y_test, return_dict=True, verbose=0)["accuracy"]
+    with open(os.path.join(out_dir, "result.json"), "w") as f:
+        json.dump({"version": version, "scheduled": epochs * steps, "after_idle": extra,
+                   "test_accuracy": accuracy, "history": history.history,
+                   "epoch_times": times, "updates_per_epoch": per_epoch,
+                   "step_counts": counts}, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], *[int(a) for a in sys.argv[2:]])
