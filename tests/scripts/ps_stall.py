@@ -1,6 +1,8 @@
 """Asynchronous digits training for stalled-worker tests.
 
-argv: out_dir epochs steps [steps_per_execution [local_steps [idle]]]. The
+argv: out_dir epochs steps [steps_per_execution [local_steps [idle [mode]]]],
+mode "plain" (SGD with momentum), "dana" (`kd.optimizers.DANA`) or
+"easgd" (`elastic=0.5`, with local_steps). The
 chief writes out_dir/result.json: the parameter version after `fit`, the
 steps its epochs have (epochs x steps), each epoch's wall time and updates
 per worker, test accuracy, and the executor's step counts
@@ -27,14 +29,16 @@ import keras  # noqa: E402
 from keras_dist.datasets import load_digits  # noqa: E402
 
 
-def main(out_dir, epochs, steps, per_call=1, local=1, idle=0):
+def main(out_dir, epochs, steps, per_call=1, local=1, idle=0, mode="plain"):
     (x, y), (x_test, y_test) = load_digits()
     keras.utils.set_random_seed(0)
     with strategy.scope():
         inputs = keras.Input((64,))
         hidden = keras.layers.Dense(64, activation="relu")(inputs)
         model = kd.AsyncModel(inputs, keras.layers.Dense(10, activation="softmax")(hidden))
-        model.compile(keras.optimizers.SGD(0.02, momentum=0.9),
+        optimizer = (kd.optimizers.DANA(keras.optimizers.SGD(0.02), momentum=0.9)
+                     if mode == "dana" else keras.optimizers.SGD(0.02, momentum=0.9))
+        model.compile(optimizer,
                       "sparse_categorical_crossentropy", metrics=["accuracy"],
                       steps_per_execution=per_call)
     per_epoch, times = [], []
@@ -50,6 +54,8 @@ def main(out_dir, epochs, steps, per_call=1, local=1, idle=0):
 
     record = keras.callbacks.LambdaCallback(on_epoch_begin=begin, on_epoch_end=end)
     kwargs = {"local_steps": local} if local > 1 else {}
+    if mode == "easgd":
+        kwargs["elastic"] = 0.5
     history = model.fit(x, y, epochs=epochs, steps_per_epoch=steps, batch_size=32, verbose=2,
                         callbacks=[record], **kwargs)
     version, counts, extra = model.version, model.step_counts, None
@@ -66,4 +72,4 @@ def main(out_dir, epochs, steps, per_call=1, local=1, idle=0):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], *[int(a) for a in sys.argv[2:]])
+    main(sys.argv[1], *[int(a) for a in sys.argv[2:7]], *sys.argv[7:])
