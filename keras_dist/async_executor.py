@@ -132,6 +132,7 @@ class AsyncExecutor(driver.Executor):
         self.stats = StalenessStats()
         self._survived = 0
         self._flight = None
+        self._last_worker = None  # see _hold
 
     make_train_input = staticmethod(data_lib.per_worker_input)
 
@@ -185,6 +186,9 @@ class AsyncExecutor(driver.Executor):
         self._max_stuck = max(1, workers)
         self._flight = inflight.InFlight(threads=self._window + self._max_stuck + 1)
         self._rows_due = 0  # ring: executions finished whose reports are not read yet
+        # Kept with the model, past this fit: a result let go when fit ends
+        # could reach a worker that is stopped then (see _hold).
+        self._held = self.state.held
         self._nominal = 0  # the steps of the epochs run so far
         self._warned_stuck = False
 
@@ -273,7 +277,9 @@ class AsyncExecutor(driver.Executor):
             if value is None:
                 self._rows_due += 1  # its report is in the ring: read it with others
                 return None
-            return self._batch_end(value, execution.steps)
+            event = self._batch_end(value, execution.steps)
+            self._hold(execution)
+            return event
         if isinstance(error, tf.errors.CancelledError):
             # Never ran: the coordinator dropped its queue on an error
             # that `_survive` judged a worker's, not a parameter server's.
@@ -297,6 +303,23 @@ class AsyncExecutor(driver.Executor):
                            "are not counted.", execution.steps, type(error).__name__)
             return None
         raise error
+
+    def _hold(self, execution):
+        """Keeps the result of the last execution each worker finished.
+
+        A result stays on its worker until its `RemoteValue` is garbage
+        collected; then TensorFlow sends the worker a request to free it,
+        through the chief's default eager executor, and every scheduled
+        function waits for that executor's pending requests when it starts
+        (`ClusterCoordinator`'s executor scope). A request to a stopped
+        worker would therefore stop all training until the worker answers
+        (seen: a 15 s SIGSTOP of one worker stalled the other for 15 s at
+        steps_per_execution 10). So a worker's result is let go only once
+        the same worker has finished a later execution: it answered a
+        moment ago, and the request is served at once."""
+        worker = self._last_worker
+        if worker is not None:
+            self._held[worker] = execution.remote
 
     def _rerun(self, execution):
         rerun = self._flight.add(self._schedule(execution.fn), execution.steps,
@@ -417,6 +440,7 @@ class AsyncExecutor(driver.Executor):
         """Counts one execution's report (and `skipped` updates counted apart
         from it); returns its batch logs and steps."""
         report = step_report.unpack(vector, self.state.log_names[k], self.metrics.size)
+        self._last_worker = report.worker
         if skipped:
             report = dataclasses.replace(report, skipped=report.skipped + skipped)
         self.stats.add(StepRecord(worker=report.worker, staleness=list(report.staleness),
@@ -459,6 +483,7 @@ class _AsyncState:
             self.policy = update.NonFinitePolicy(mode).build()
         model.__dict__["version_counter"] = self.version
         self._functions = {}
+        self.held = {}  # worker -> the RemoteValue of its last finished execution
         self.log_names = {}
         self.metrics = None
         self.ring = None
@@ -543,10 +568,15 @@ class _AsyncState:
         # (`update.ship_gradients`) and its tau stays there until the end.
         planned = update.home_device(model.trainable_variables) if SHIP_GRADIENTS else None
         carry = shipped = None
-        if ring is not None and planned is not None and k == 1:
+        if ring is not None and planned is not None:
+            total = tf.add_n([tf.cast(step_report.batch_examples(b), tf.float64)
+                              for b in batches])
+
             def carry(step_logs, new_metrics, computed):
                 # The whole report, but its taus and skips, goes with the
-                # gradients: no transfer of its own.
+                # last step's gradients: no transfer of its own (a transfer
+                # of its own after the last step ran at 2/3 the rate at
+                # steps_per_execution 10).
                 loss_sum, loss_count = self.metrics.loss_state(new_metrics)
                 logs = {name: value for name, value in driver.flatten_logs(step_logs).items()
                         if _is_scalar(value)}
@@ -554,10 +584,11 @@ class _AsyncState:
                 with tf.control_dependencies(computed):
                     seconds = tf.timestamp() - start
                 report = step_report.pack(
-                    worker, seconds, step_report.batch_examples(batches[0]), loss_sum,
+                    worker, seconds, total, loss_sum,
                     loss_count, (), logs, names, state=new_metrics, claimed=seconds)
                 return report if ring.fits(report, extra=1 + k) else None
-        for data in batches:
+        for i, data in enumerate(batches):
+            last_carry = carry if i == len(batches) - 1 else None
             if planned is not None:
                 # No control edges from the worker into the step (each
                 # would cost a transfer to the parameter server): TF's
@@ -569,8 +600,8 @@ class _AsyncState:
                         step_start = tf.timestamp()
                 else:
                     step_start = start
-                step = self._one_step(data, worker, step_start, faults, metrics, carry)
-                if carry is not None:
+                step = self._one_step(data, worker, step_start, faults, metrics, last_carry)
+                if last_carry is not None:
                     shipped, step = step[-1], step[:-1]
             else:
                 with tf.control_dependencies([start] + taus):

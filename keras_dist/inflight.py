@@ -146,6 +146,9 @@ class InFlight:
             except Exception as e:  # noqa: BLE001 (handed to the chief's thread)
                 value, error = None, e
             self._done.put((execution, value, error))
+            # Nothing of it stays referenced here: when its remote result is
+            # let go is the caller's choice (`AsyncExecutor._hold`).
+            del execution, value, error
 
     def add(self, remote, steps, fn, count=True):
         """Starts waiting for `remote` (an execution of `steps` steps of
