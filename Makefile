@@ -28,13 +28,14 @@ test: $(STAMP)
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict --site-dir site
 
-## bench: every benchmark side by side, then docs/benchmarks.md (installs the bench extra; ~30 min)
+## bench: every benchmark side by side, then docs/benchmarks.md (installs the bench extra; ~40 min)
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) benchmarks/fit_overhead.py
 	$(PY) benchmarks/iterator_release.py
 	$(VENV)/bin/keras-dist-run --workers 2 --ps 1 -- $(PY) benchmarks/ps_throughput.py
 	$(PY) benchmarks/ps_startup.py
+	$(PY) benchmarks/stalled_worker.py
 	$(VENV)/bin/keras-dist-run --workers 2 --ps 2 -- $(PY) benchmarks/ps_sharded.py
 	$(PY) benchmarks/staleness_convergence.py --workers 4,16,64,256
 	$(PY) benchmarks/simulator_validation.py

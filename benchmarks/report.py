@@ -172,6 +172,34 @@ def ps_startup(lines):
     ]
 
 
+def stalled_worker(lines):
+    data = section(lines, "stalled_worker",
+                   "## A stopped worker under parameter servers (`stalled_worker.py`)")
+    if data is None:
+        return
+    runs = [data] + [d for d in [load("stalled_worker_spe10")] if d is not None]
+    lines += [
+        f"Digits MLP, {data['epochs']} epochs; after {data['warmup']} epochs worker 1 of 2 "
+        "is stopped (SIGSTOP) until `fit` ends, against one worker alone; examples/s over "
+        "the epochs after the warm-up, median of interleaved fresh clusters "
+        "(`python benchmarks/stalled_worker.py`, with `--spe` and `--steps` as in the "
+        "table).\n",
+        "| steps_per_execution | updates per epoch | stopped for | one of two workers "
+        "stopped | one worker alone | ratio | step counts of the stopped runs |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        med = run["median_examples_per_second"]
+        counts = "; ".join(f"{c['speculative']} speculative, {c['late']} late, "
+                           f"{c['lost']} lost" for c in
+                           (r["counts"] for r in run["runs"]["frozen"]))
+        lines.append(f"| {run['spe']} | {run['steps']} | {run['stopped_seconds']:.0f} s | "
+                     f"{med['frozen']:.0f} | {med['alone']:.0f} | {run['ratio']:.3f} | "
+                     f"{counts} |")
+    lines += ["", "Target: ratio >= 0.9 (before issue 30: about 0.1, the job waited "
+              "for the stopped worker's step).\n"]
+
+
 def staleness_convergence(lines):
     data = section(lines, "staleness_convergence", "## Accuracy under simulated staleness (`staleness_convergence.py`)")
     if data is None:
@@ -340,6 +368,7 @@ def main():
     iterator_release(lines)
     ps_throughput(lines)
     ps_startup(lines)
+    stalled_worker(lines)
     ps_sharded(lines)
     staleness_convergence(lines)
     simulator_validation(lines)

@@ -8,8 +8,10 @@ free, and each step's update is applied on the parameter servers without
 waiting for anyone. The driver (`keras_dist.driver`) keeps Keras' callbacks,
 progress bar and `History`; batch-level hooks fire as the closures' results
 come back (`on_train_batch_begin` when a closure is scheduled,
-`on_train_batch_end` when its report is read: in the order scheduled, or,
-through the ring, in the order the executions finished).
+`on_train_batch_end` when its report is read, in the order the executions
+finished). Progress is what has finished, never what was scheduled first
+(`keras_dist.inflight`): a stopped worker holds back only its own step,
+which is replaced once judged stuck and counts when it lands.
 
 Around each `train_step` the executor adds, explicitly:
 

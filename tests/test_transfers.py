@@ -92,6 +92,17 @@ def test_report_ring_passes_a_lost_slot_once_more_than_can_run_at_once_are_writt
     assert ring.lost == 1 and ring.next == 5
 
 
+def test_report_ring_takes_at_most_limit_rows_and_keeps_the_rest_for_later():
+    # The chief takes as many rows as executions it knows finished; rows of
+    # executions whose end it has not seen yet wait for the next take.
+    ring = ReportRing(width=6, capacity=8)
+    for i in range(3):
+        ring.write(tf.constant([float(i)], tf.float64), 1)
+    assert [r.tolist() for _, _, r in ring.take(limit=2)] == [[0.0], [1.0]]
+    assert [r.tolist() for _, _, r in ring.take(limit=5)] == [[2.0]]
+    assert ring.take(limit=1) == [] and ring.next == 3
+
+
 def test_report_ring_refuses_to_read_an_overwritten_slot():
     ring = ReportRing(width=6, capacity=2)
     for i in range(3):  # slot 2 overwrites slot 0 before the chief read it
