@@ -47,7 +47,6 @@ Validation runs on the chief, reading the current weights from the
 parameter servers.
 """
 
-import collections
 import contextlib
 import dataclasses
 import logging
