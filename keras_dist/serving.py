@@ -31,9 +31,10 @@ GRPC_KEEPALIVE = ",".join([
     # A stopped process (SIGSTOP, a long GC pause, a VM migration) still
     # acknowledges TCP; only the ping's answer is missing, and gRPC waits
     # this long for it (default 60 s) before it fails the connection: a
-    # paused worker is declared lost after ~25 s, and a shorter pause is
-    # not a failure at all (its step is replaced meanwhile, `inflight`).
-    "grpc.http2.ping_timeout_ms=20000",
+    # paused worker is declared lost after ~10 s. This also bounds how long
+    # training can wait on a worker stopped while the chief copies one of
+    # its results (steps_per_execution > 1, local steps).
+    "grpc.http2.ping_timeout_ms=5000",
     # When a worker is declared lost, TensorFlow frees the failed call's
     # results on it through the chief's default executor, which every
     # scheduled function waits for; connecting to a stopped process never
@@ -57,8 +58,7 @@ Without keepalive, a task whose network link is cut (packets dropped, no
 connection reset) is never noticed: the coordinator's calls to it wait
 forever and asynchronous training stalls until the link returns (seen in
 tests/test_multihost.py before this was set). With it, the connection to a
-cut-off worker is declared dead within about 10 s, to a stopped one within
-about 25 s; TensorFlow's coordinator re-runs the worker's step elsewhere and
+cut-off or stopped worker is declared dead within about 10 s; TensorFlow's coordinator re-runs the worker's step elsewhere and
 uses the worker again once it answers."""
 
 

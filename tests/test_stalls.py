@@ -189,21 +189,25 @@ def test_short_stops_duty_cycle(tmp_path, per_call, local):
 @pytest.mark.parametrize("mode, local", [("dana", 1), ("easgd", 4)])
 def test_a_stopped_worker_under_dana_and_easgd(tmp_path, mode, local):
     """The per-worker state of DANA (a velocity per worker) and EASGD (a
-    copy of the weights per worker) survives a worker stopped for 15 s: its
+    copy of the weights per worker) survives a worker stopped for 30 s: its
     step or round lands late or is rerun by the other worker, with that
     worker's own state."""
-    epochs, steps = 30, 160 * local
+    epochs, steps = 50, 160 * local
     cluster = Cluster(tmp_path, epochs, steps, 1, local, 0, mode)
     cluster.wait_for_epochs(2)
     worker1 = cluster.pid("worker:1")
     os.kill(worker1, signal.SIGSTOP)
     try:
-        time.sleep(15)
+        time.sleep(30)
     finally:
         os.kill(worker1, signal.SIGCONT)
     result = cluster.finish(timeout=300)
     seconds = epoch_seconds(result)
-    assert seconds.max() < 10, seconds.tolist()  # nobody waited for the 15 s
+    # Nobody waited for the 30 s. Local rounds return their results: a
+    # worker stopped while the chief copies one holds everyone until it is
+    # declared lost (~10 s; docs/fault-tolerance.md), at most once here.
+    assert seconds.max() < (15 if local > 1 else 10), seconds.tolist()
+    assert np.sort(seconds)[-2] < 5, seconds.tolist()
     counts = check_counts(result, local=local)
     assert counts["lost"] == 0, counts
     assert result["test_accuracy"] >= 0.85
