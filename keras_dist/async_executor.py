@@ -210,6 +210,7 @@ class AsyncExecutor(driver.Executor):
         ring, flight = self._ring, self._flight
         self._epoch = {"finished": 0, "reported": 0, "begun": 0}
         epoch = self._epoch
+        polls = 0
         while True:
             if not self.model.stop_training:
                 while self._may_schedule(steps):
@@ -225,14 +226,21 @@ class AsyncExecutor(driver.Executor):
             short = None
             if ring is not None and self._rows_due and (
                     finished or self._rows_due >= self._read_every or not flight.live):
-                for row_k, skipped, vector in ring.take(in_flight=self._window,
+                # Nothing in flight: no row can come any more.
+                final = finished and not flight.pending
+                for row_k, skipped, vector in ring.take(final=final, in_flight=self._window,
                                                         limit=self._rows_due):
                     self._rows_due -= 1
                     yield self._batch_end(vector, row_k, skipped)
-                if self._rows_due and finished:
-                    # A row is written but an earlier slot is still being
-                    # written: it is there in a moment.
-                    short = 0.001
+                if self._rows_due and final:
+                    self._rows_missing()
+                elif self._rows_due and finished:
+                    # A row is written but an earlier slot is not (yet):
+                    # being written, or a hole (`ReportRing.take`).
+                    polls += 1
+                    short = min(0.05, 0.001 * 2 ** polls)
+            else:
+                polls = 0
             if finished and not self._rows_due:
                 # Steps scheduled beyond the epochs' own: replacements for
                 # stuck executions (less those made up by landing late).
@@ -304,6 +312,16 @@ class AsyncExecutor(driver.Executor):
                            "are not counted.", execution.steps, type(error).__name__)
             return None
         raise error
+
+    def _rows_missing(self):
+        """Executions that finished but whose ring rows never came (none
+        should: a row is written before its execution returns): their
+        numbers are lost, the epoch is not held up for them."""
+        logger.warning("keras_dist: the reports of %d finished execution(s) are missing from "
+                       "the report ring; their updates were applied, their logs are not "
+                       "counted.", self._rows_due)
+        self.stats.lost_results += self._rows_due
+        self._rows_due = 0
 
     def _hold(self, execution):
         """Keeps the result of the last execution each worker finished.

@@ -22,6 +22,7 @@ make it stale.
 
 import dataclasses
 import math
+import time
 from typing import Dict, Sequence, Tuple
 
 import numpy as np
@@ -146,6 +147,11 @@ def batch_examples(data):
     return tf.cast(tf.shape(first)[0], tf.float64)
 
 
+HOLE_WAIT = 2.0
+"""Seconds a claimed report slot may stay unwritten behind a written later
+one before the chief counts it lost (`ReportRing.take`)."""
+
+
 class ReportRing:
     """Execution reports collected on a parameter server, read in batches.
 
@@ -173,6 +179,8 @@ class ReportRing:
         width: Columns per row (the four header columns included).
         capacity: Rows. The chief must read before `capacity` executions
             finish past the oldest one it has not taken.
+        clock: Function returning seconds (monotonic), for the wait on a
+            hole (`HOLE_WAIT`). Defaults to `time.monotonic`.
 
     Example:
 
@@ -188,7 +196,7 @@ class ReportRing:
 
     HEADER = 4
 
-    def __init__(self, width, capacity):
+    def __init__(self, width, capacity, clock=time.monotonic):
         if width <= self.HEADER or capacity < 1:
             raise ValueError(f"ReportRing needs width > {self.HEADER} and capacity >= 1; "
                              f"got width={width}, capacity={capacity}.")
@@ -200,6 +208,8 @@ class ReportRing:
                                  name="keras_dist_report_count", aggregation=once)
         self.next = 0  # on the chief: the oldest slot not taken yet
         self.lost = 0  # slots claimed but never written (their execution failed)
+        self.clock = clock
+        self._hole = None  # (slot, when first seen unwritten behind a written one)
 
     def fits(self, report, extra=0):
         """Whether a traced report vector, plus `extra` values appended by
@@ -210,17 +220,29 @@ class ReportRing:
     def write(self, report, k, taus=(), skipped=()):
         """Writes one execution's report of `k` steps (in a traced function),
         with `taus` (scalar tensors) appended and `skipped` (0/1 tensors)
-        summed where the ring lives."""
+        summed where the ring lives.
+
+        The slot is claimed only once everything the row holds is where the
+        ring lives (the report received from the worker, the taus and skips
+        computed there): claim and write are then two local operations in a
+        row, so a worker that stops or loses its link mid-execution leaves
+        no claimed slot unwritten (a *hole*) behind it. Left unordered, TF
+        would claim the slot as soon as the parameter server's part of the
+        function starts, and a link cut while the gradients are on their
+        way left a hole (`tests/test_multihost.py`)."""
         n = int(report.shape[0]) + len(taus)
         with tf.device(self.rows.device):
-            slot = staleness.fetch_add(self.count)
             skips = tf.add_n([tf.cast(s, tf.float64) for s in skipped]) if skipped \
                 else tf.constant(0.0, tf.float64)
+            payload = tf.concat([tf.cast(report, tf.float64)]
+                                + [tf.reshape(tf.cast(t, tf.float64), [1]) for t in taus],
+                                axis=0)
+            with tf.control_dependencies([payload, skips]):
+                slot = staleness.fetch_add(self.count)
             header = tf.stack([tf.cast(slot + 1, tf.float64), tf.constant(k, tf.float64),
                                skips, tf.constant(n, tf.float64)])
-            row = tf.concat([header, tf.cast(report, tf.float64)]
-                            + [tf.reshape(tf.cast(t, tf.float64), [1]) for t in taus]
-                            + [tf.zeros([self.width - self.HEADER - n], tf.float64)], axis=0)
+            row = tf.concat([header, payload,
+                             tf.zeros([self.width - self.HEADER - n], tf.float64)], axis=0)
             index = tf.math.floormod(slot, self.capacity)
             self.rows.scatter_update(tf.IndexedSlices(row[tf.newaxis], index[tf.newaxis]))
 
@@ -228,10 +250,12 @@ class ReportRing:
         """`(k, skipped, report)` of the rows written since the last `take`,
         in slot order (eager, on the chief). Stops at the first slot not
         written yet, unless it is lost: with `final` (no execution running),
-        or when at least `in_flight` (the most executions that can run at
-        once) later slots are written, its execution failed after claiming
-        it. Lost slots are counted in `lost`. With `limit`, at most that
-        many rows."""
+        when at least `in_flight` (the most executions that can run at
+        once) later slots are written, or when a later slot was already
+        written `HOLE_WAIT` seconds ago (claim and write are adjacent: a
+        slot claimed that long without its row never gets one; its
+        execution failed between the two). Lost slots are counted in
+        `lost`. With `limit`, at most that many rows."""
         rows = self.rows.numpy()
         end = int(self.count.numpy()) if final else self.next + self.capacity
         stamps = rows[:, 0].astype(np.int64)
@@ -247,11 +271,22 @@ class ReportRing:
                 raise RuntimeError(
                     f"keras_dist: report slot {slot} was overwritten before the chief read "
                     f"it (ring of {self.capacity} rows); this is a keras_dist bug.")
-            elif final or (in_flight is not None
-                           and int(np.sum(stamps > slot + 1)) >= in_flight):
+            elif final or self._hole_lost(slot, stamps, in_flight):
                 self.lost += 1
             else:
                 break
             slot += 1
         self.next = slot
         return out
+
+    def _hole_lost(self, slot, stamps, in_flight):
+        later = int(np.sum(stamps > slot + 1))  # slots after it written: it was claimed
+        if in_flight is not None and later >= in_flight:
+            return True
+        if not later:
+            self._hole = None  # maybe not claimed yet: nothing to judge
+            return False
+        now = self.clock()
+        if self._hole is None or self._hole[0] != slot:
+            self._hole = (slot, now)
+        return now - self._hole[1] >= HOLE_WAIT

@@ -7,12 +7,14 @@ checked by test_async (ps_train.py at steps_per_execution 1 and 5).
 """
 
 import threading
+import time
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from keras_dist import staleness
+from keras_dist import step_report
 from keras_dist import update
 from keras_dist.step_report import ReportRing
 
@@ -66,7 +68,7 @@ def test_home_device_is_the_one_device_or_none():
 
 
 def test_report_ring_takes_rows_in_slot_order_and_counts_lost_slots():
-    ring = ReportRing(width=10, capacity=8)
+    ring = ReportRing(width=10, capacity=8, clock=lambda: 0.0)  # time stands still
     for i in range(2):
         ring.write(tf.constant([10.0 + i], tf.float64), 1, taus=[tf.constant(i)],
                    skipped=[tf.constant(1.0, tf.float64)])
@@ -82,7 +84,7 @@ def test_report_ring_takes_rows_in_slot_order_and_counts_lost_slots():
 
 
 def test_report_ring_passes_a_lost_slot_once_more_than_can_run_at_once_are_written():
-    ring = ReportRing(width=6, capacity=8)
+    ring = ReportRing(width=6, capacity=8, clock=lambda: 0.0)
     staleness.fetch_add(ring.count)  # slot 0: its execution failed after claiming it
     for i in range(3):
         ring.write(tf.constant([float(i)], tf.float64), 1)
@@ -90,6 +92,56 @@ def test_report_ring_passes_a_lost_slot_once_more_than_can_run_at_once_are_writt
     ring.write(tf.constant([3.0], tf.float64), 1)
     assert [r.tolist() for _, _, r in ring.take(in_flight=4)] == [[0.0], [1.0], [2.0], [3.0]]
     assert ring.lost == 1 and ring.next == 5
+
+
+def test_report_ring_passes_a_hole_once_a_later_row_has_waited_behind_it():
+    # Claim and write are adjacent: a slot still unwritten HOLE_WAIT
+    # seconds after a later one was seen written never will be. This is
+    # what ends an epoch whose last executions are behind a hole (a link
+    # cut while gradients were on their way: tests/test_multihost.py).
+    now = [100.0]
+    ring = ReportRing(width=6, capacity=64, clock=lambda: now[0])
+    assert ring.take(in_flight=32) == []  # nothing claimed: no hole to judge
+    staleness.fetch_add(ring.count)  # slot 0: its execution failed after claiming it
+    assert ring.take(in_flight=32) == []  # not seen behind a written row yet
+    now[0] += 10.0
+    ring.write(tf.constant([1.0], tf.float64), 1)
+    assert ring.take(in_flight=32) == []  # first seen now
+    now[0] += step_report.HOLE_WAIT - 0.1
+    assert ring.take(in_flight=32) == []
+    now[0] += 0.1
+    assert [r.tolist() for _, _, r in ring.take(in_flight=32)] == [[1.0]]
+    assert ring.lost == 1 and ring.next == 2
+
+
+def test_report_ring_claims_a_slot_only_once_the_row_is_there_to_write():
+    # The slot is claimed after the report arrives: an execution whose
+    # report never comes (its worker stopped or cut off) leaves no hole.
+    ring = ReportRing(width=6, capacity=8)
+    release, started = threading.Event(), threading.Event()
+
+    def slow_report():
+        started.set()
+        release.wait(30)
+        return np.array([7.0])
+
+    @tf.function
+    def execution():
+        report = tf.py_function(slow_report, [], tf.float64)
+        report.set_shape([1])
+        ring.write(report, 1)
+
+    runner = threading.Thread(target=execution)
+    runner.start()
+    try:
+        assert started.wait(30)
+        time.sleep(0.5)  # unordered, the claim would have run by now
+        assert int(ring.count.numpy()) == 0
+    finally:
+        release.set()
+        runner.join(30)
+    assert int(ring.count.numpy()) == 1
+    assert [r.tolist() for _, _, r in ring.take()] == [[7.0]]
 
 
 def test_report_ring_takes_at_most_limit_rows_and_keeps_the_rest_for_later():
