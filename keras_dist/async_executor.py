@@ -146,6 +146,15 @@ class AsyncExecutor(driver.Executor):
 
     # -------------------------------------------------------------- training
     def begin_training(self, train_input, callbacks):
+        try:
+            tf.timestamp()  # refused under op determinism (no public query for it)
+        except tf.errors.FailedPreconditionError:
+            raise ValueError(
+                "tf.config.experimental.enable_op_determinism() is on, and asynchronous "
+                "training cannot be deterministic: which worker applies which update "
+                "when is not (and its steps time themselves with tf.timestamp, which "
+                "determinism refuses). Leave op determinism off in parameter-server "
+                "jobs (it is for synchronous training).") from None
         self.state = _AsyncState.of(self.model, self.strategy, self.nonfinite_updates)
         self.state.build(train_input.sample)
         self.policy = self.state.policy
@@ -191,6 +200,8 @@ class AsyncExecutor(driver.Executor):
         # could reach a worker that is stopped then (see _hold).
         self._held = self.state.held
         self._nominal = 0  # the steps of the epochs run so far
+        self._start = 0  # the step the next epoch starts at (resumed: > 0)
+        self._draining = False  # preempted: nothing more is scheduled
         self._warned_stuck = False
 
     def begin_epoch(self):
@@ -200,6 +211,23 @@ class AsyncExecutor(driver.Executor):
         if self._aware is not None:
             self._aware.reset_staleness_logs()
 
+    def seek(self, train_input, epoch, step):
+        """Resumes at `step` of the epoch (a restored backup): the epoch runs
+        its remaining steps. The workers' input streams start afresh (each
+        reads its own shuffled, repeating stream: no batch position to
+        keep; docs/fault-tolerance.md)."""
+        self._start = min(int(step), train_input.steps)
+        self._nominal -= self._start
+
+    def metric_state(self):
+        return [np.array(v) for v in self.metrics.values]
+
+    def restore_metrics(self, values):
+        if len(values) != len(self.metrics.values):
+            driver.assign_metric_state(self.model, values)  # the count error
+        self.metrics.values = [np.array(v, dtype=np.asarray(old).dtype).reshape(
+            np.shape(old)) for v, old in zip(values, self.metrics.values)]
+
     def train_epoch(self, train_input):
         """Yields the epoch's events; the epoch ends once `steps` steps have
         finished, in whatever order and on whichever workers they ran
@@ -208,7 +236,8 @@ class AsyncExecutor(driver.Executor):
         and count in the epoch they land in."""
         steps, per_call = train_input.steps, self._per_call
         ring, flight = self._ring, self._flight
-        self._epoch = {"finished": 0, "reported": 0, "begun": 0}
+        start, self._start = self._start, 0
+        self._epoch = {"finished": start, "reported": start, "begun": start}
         epoch = self._epoch
         polls = 0
         while True:
@@ -221,8 +250,8 @@ class AsyncExecutor(driver.Executor):
                                                   outer=self.outer_optimizer,
                                                   elastic=self._copies, ring=ring)
                     flight.add(self._schedule(fn), k, fn)
-            finished = epoch["finished"] >= steps or (self.model.stop_training
-                                                     and not flight.live)
+            finished = epoch["finished"] >= steps or (
+                (self.model.stop_training or self._draining) and not flight.live)
             short = None
             if ring is not None and self._rows_due and (
                     finished or self._rows_due >= self._read_every or not flight.live):
@@ -253,9 +282,15 @@ class AsyncExecutor(driver.Executor):
                 if event is not None:
                     yield event
 
+    def drain(self):
+        # train_epoch yields the batch ends of what is in flight (and of
+        # reports not read yet), then ends.
+        self._draining = True
+        return True
+
     def _may_schedule(self, steps):
         flight = self._flight
-        return (self._epoch["finished"] + flight.live_steps < steps
+        return (not self._draining and self._epoch["finished"] + flight.live_steps < steps
                 and flight.live < self._window and len(flight.stuck) <= self._max_stuck)
 
     def _wait(self, flight, at_most=None):

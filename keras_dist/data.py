@@ -35,12 +35,18 @@ class DistributedInput:
             (`steps_per_epoch` given) rather than a new one per epoch.
         sample: A function returning a small local batch, to create the
             optimizer's and metrics' state before the first compiled step.
+        at: A function `at(epoch, step)` returning the distributed dataset
+            positioned where an uninterrupted run stands before that step
+            of that 0-based epoch (resuming from a mid-epoch backup), or
+            `None`. With `repeats` it serves every later epoch too; without,
+            only the rest of that epoch.
     """
 
     dataset: Any
     steps: Optional[int]
     repeats: bool = False
     sample: Any = None
+    at: Any = None
 
 
 def is_dataset_fn(x):
@@ -114,6 +120,76 @@ def from_arrays(x, y=None, sample_weight=None, *, batch_size=None, shuffle=True,
     # idle (benchmarks/iterator_release.py).
     options.autotune.enabled = False
     return dataset.with_options(options)
+
+
+def epoch_stream(x, y=None, sample_weight=None, *, batch_size=None, shuffle=True,
+                 class_weight=None, seed=DEFAULT_SHUFFLE_SEED, first_epoch=0, epochs=None,
+                 skip=0):
+    """Batches of arrays, epoch after epoch, each epoch's order a function of
+    `(seed, epoch)` alone.
+
+    The batches `fit` trains on, as `from_arrays` would give them one epoch
+    at a time (the global batch size, the last batch of an epoch partial),
+    but seekable: a run resumed at step `skip` of epoch `first_epoch` in a
+    new process reads exactly the batches an uninterrupted run reads from
+    there on. (`from_arrays` reshuffles on each new iterator: its n-th
+    epoch's order depends on how many iterators came before.) Each epoch is
+    a stateless permutation of the indices
+    (`tf.random.experimental.stateless_shuffle`), and skipping is cheap: it
+    skips index batches before the examples are gathered.
+
+    Args:
+        first_epoch: Integer. The 0-based epoch the stream starts at.
+        epochs: Integer or `None` (forever). How many epochs it holds.
+        skip: Integer. Batches of `first_epoch` skipped.
+
+    Example:
+
+    >>> import numpy as np
+    >>> from keras_dist.data import epoch_stream
+    >>> x = np.arange(5.0)
+    >>> whole = [b.numpy().tolist() for (b,) in epoch_stream(x, batch_size=2, epochs=2)]
+    >>> len(whole), sorted(sum(whole[:3], []))   # epoch 0: 3 batches, every example once
+    (6, [0.0, 1.0, 2.0, 3.0, 4.0])
+    >>> resumed = [b.numpy().tolist() for (b,) in epoch_stream(
+    ...     x, batch_size=2, first_epoch=1, epochs=1, skip=1)]
+    >>> resumed == whole[4:]
+    True
+    """
+    if class_weight is not None:
+        if y is None:
+            raise ValueError("`class_weight` needs targets `y`; received y=None.")
+        weights = class_weight_to_sample_weight(y, class_weight)
+        sample_weight = weights if sample_weight is None else (
+            np.asarray(sample_weight, "float32") * weights)
+    arrays = (x,) if y is None else (x, y) if sample_weight is None else (
+        x, y, sample_weight)
+    n = num_samples(arrays)
+    batch_size = batch_size or DEFAULT_BATCH_SIZE
+    tensors = tf.nest.map_structure(tf.convert_to_tensor, arrays)
+
+    def epoch_indices(epoch):
+        indices = tf.range(n, dtype=tf.int64)
+        if shuffle:
+            indices = tf.random.experimental.stateless_shuffle(
+                indices, seed=tf.stack([tf.constant(seed, tf.int64), epoch]))
+        return tf.data.Dataset.from_tensor_slices(indices).batch(batch_size)
+
+    last = -1 if epochs is None else first_epoch + epochs
+    stream = tf.data.Dataset.range(first_epoch, last) if epochs is not None else \
+        tf.data.Dataset.range(first_epoch, np.iinfo(np.int64).max)
+    stream = stream.flat_map(epoch_indices).skip(skip)
+    if epochs is not None:
+        per_epoch = math.ceil(n / batch_size)
+        stream = stream.apply(tf.data.experimental.assert_cardinality(
+            max(0, per_epoch * epochs - skip)))
+    stream = stream.map(lambda idx: tf.nest.map_structure(
+        lambda a: tf.gather(a, idx), tensors))
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = (
+        tf.data.experimental.AutoShardPolicy.DATA)
+    options.autotune.enabled = False  # see from_arrays
+    return stream.with_options(options)
 
 
 class _Releaser:
@@ -197,7 +273,7 @@ def class_weight_to_sample_weight(y, class_weight):
 
 
 def distribute(strategy, x, y=None, sample_weight=None, *, batch_size=None,
-               shuffle=True, class_weight=None, steps=None, what="x"):
+               shuffle=True, class_weight=None, steps=None, what="x", stream=False):
     """Builds the `DistributedInput` for `x` (and `y`, `sample_weight`).
 
     Args:
@@ -207,6 +283,10 @@ def distribute(strategy, x, y=None, sample_weight=None, *, batch_size=None,
             `dataset_fn(input_context)` returning per-replica batches.
         steps: Integer or `None`. `steps_per_epoch` / `validation_steps`.
         what: String. Argument name used in errors.
+        stream: Boolean. Training input: arrays become an `epoch_stream`
+            (one iterator for every epoch, each epoch's order fixed by its
+            number), and the result can be positioned (`at`) for a run
+            resumed mid-epoch.
     """
     check_steps(steps)
     if is_dataset_fn(x):
@@ -218,8 +298,16 @@ def distribute(strategy, x, y=None, sample_weight=None, *, batch_size=None,
                 "validation) and make the dataset repeat."
             )
         dataset = strategy.distribute_datasets_from_function(x)
+
+        def at(epoch, step):
+            def skipped(context):  # each pipeline feeds its replicas one batch a step
+                per_step = max(1, context.num_replicas_in_sync // context.num_input_pipelines)
+                return x(context).skip((epoch * steps + step) * per_step)
+            return strategy.distribute_datasets_from_function(skipped)
+
         return DistributedInput(dataset, steps, repeats=True,
-                                sample=lambda: next(iter(x(tf.distribute.InputContext()))))
+                                sample=lambda: next(iter(x(tf.distribute.InputContext()))),
+                                at=at)
     if isinstance(x, tf.data.Dataset):
         check_nothing_beside_dataset(y, sample_weight, class_weight, what)
         if not tf.distribute.has_strategy() and strategy is tf.distribute.get_strategy():
@@ -233,6 +321,9 @@ def distribute(strategy, x, y=None, sample_weight=None, *, batch_size=None,
                 f"{num_samples((x,))} and {num_samples((y,))}. Pass one target "
                 "per input."
             )
+        if stream:
+            return _array_stream(strategy, x, y, sample_weight, batch_size=batch_size,
+                                 shuffle=shuffle, class_weight=class_weight, steps=steps)
         dataset = from_arrays(x, y, sample_weight, batch_size=batch_size,
                               shuffle=shuffle, class_weight=class_weight)
         sample = lambda: next(iter(dataset.take(1)))  # noqa: E731
@@ -244,9 +335,41 @@ def distribute(strategy, x, y=None, sample_weight=None, *, batch_size=None,
         )
     known = cardinality if cardinality >= 0 else None
     distributed = strategy.experimental_distribute_dataset(dataset)
+
+    def at(epoch, step):
+        # One iterator for every epoch (`steps` given): the batches before;
+        # one pass per epoch: that epoch's first `step`. Exact when the
+        # dataset's order does not depend on how often it was iterated
+        # before (docs/fault-tolerance.md).
+        skip = epoch * steps + step if steps is not None else step
+        return strategy.experimental_distribute_dataset(dataset.skip(skip))
+
     if steps is not None:
-        return DistributedInput(distributed, steps, repeats=True, sample=sample)
-    return DistributedInput(distributed, known, repeats=False, sample=sample)
+        return DistributedInput(distributed, steps, repeats=True, sample=sample, at=at)
+    return DistributedInput(distributed, known, repeats=False, sample=sample, at=at)
+
+
+def _array_stream(strategy, x, y, sample_weight, *, batch_size, shuffle, class_weight, steps):
+    """Training arrays as an `epoch_stream`: every epoch (or, with `steps`,
+    one pass read across epochs, Keras' rule), positioned at will."""
+    epochs = None if steps is None else 1
+
+    def stream(epoch=0, step=0):
+        if steps is None:
+            first, skip = epoch, step
+        else:
+            first, skip = 0, epoch * steps + step
+        return epoch_stream(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
+                            class_weight=class_weight, first_epoch=first, epochs=epochs,
+                            skip=skip)
+
+    dataset = stream()
+    per_epoch = math.ceil(num_samples((x,)) / (batch_size or DEFAULT_BATCH_SIZE))
+    return DistributedInput(
+        strategy.experimental_distribute_dataset(dataset),
+        steps if steps is not None else per_epoch, repeats=True,
+        sample=lambda: next(iter(dataset.take(1))),
+        at=lambda epoch, step: strategy.experimental_distribute_dataset(stream(epoch, step)))
 
 
 def check_nothing_beside_dataset(y, sample_weight, class_weight, what="x"):

@@ -25,6 +25,7 @@ step).
 """
 
 import dataclasses
+import functools
 import warnings
 from typing import Any, List, Optional
 
@@ -82,7 +83,7 @@ class Executor:
         self.ran_out = False
         self.policy = None  # an update.NonFinitePolicy, from begin_training on
 
-    make_train_input = staticmethod(data_lib.distribute)
+    make_train_input = staticmethod(functools.partial(data_lib.distribute, stream=True))
     """`f(strategy, x, y, sample_weight, **kwargs)` building the training input."""
 
     @property
@@ -108,6 +109,24 @@ class Executor:
 
     def end_training(self):
         pass
+
+    def drain(self):
+        """Stops starting steps; returns whether steps are still in flight
+        (their batch ends are still to come from `train_epoch`)."""
+        return False
+
+    def seek(self, train_input, epoch, step):
+        """Positions training at `step` of 0-based `epoch` (a restored backup)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot resume mid-epoch.")
+
+    def metric_state(self):
+        """The metrics' state of the epoch so far (`metric_state`)."""
+        return metric_state(self.model)
+
+    def restore_metrics(self, values):
+        """Puts the metrics' state of a backup taken mid-epoch back (after the
+        epoch's reset), so the epoch's logs count every step of it."""
+        assign_metric_state(self.model, values)
 
     def release(self):
         """Frees what training held (threads, probes), however it ended."""
@@ -168,15 +187,34 @@ def fit(executor, x=None, y=None, *, batch_size=None, epochs=1,
     executor.begin_training(train, callbacks)
 
     model.stop_training = False
-    callbacks.on_train_begin()
+    model.__dict__["_kd_loop"] = True  # keras_dist's loop: resumes mid-epoch
+    model.__dict__["_kd_executor"] = executor  # a backup reads the metric state there
+    try:
+        callbacks.on_train_begin()
+    except BaseException:
+        model.__dict__.pop("_kd_executor", None)
+        executor.release()
+        raise
+    finally:
+        model.__dict__.pop("_kd_loop", None)
     # Set by a restoring callback (BackupAndRestore), as Keras' own loop reads it.
     initial_epoch = getattr(model, "_initial_epoch", None) or initial_epoch
+    # Where a restored backup stands: step and metric state within the epoch.
+    resume = model.__dict__.pop("_kd_resume", None)
+    if resume is not None:
+        executor.seek(train, initial_epoch, resume["step"])
     logs, epoch_logs, training_logs = {}, {}, None
     epoch = initial_epoch
     try:
         for epoch in range(initial_epoch, epochs):
             model.reset_metrics()
             executor.begin_epoch()
+            if resume is not None and resume["step"]:
+                executor.restore_metrics(resume["metrics"])
+                # Resumed after its last step (preempted in validation): the
+                # epoch's logs are the restored metrics'.
+                logs = None
+            resume = None
             callbacks.on_epoch_begin(epoch)
             for event in executor.train_epoch(train):
                 if isinstance(event, BatchBegin):
@@ -188,6 +226,14 @@ def fit(executor, x=None, y=None, *, batch_size=None, epochs=1,
                 callbacks.on_train_batch_end(event.batch, logs)
                 if model.stop_training:
                     break
+                if "_kd_preempt" in model.__dict__:
+                    # Preempted: no new step; what is in flight finishes
+                    # (its batch ends still reach the callbacks).
+                    if not executor.drain():
+                        break
+            preempt = model.__dict__.pop("_kd_preempt", None)
+            if preempt is not None:
+                preempt()  # BackupAndRestore: saves here and exits
             if executor.ran_out:
                 warnings.warn(
                     "Your input ran out of data; interrupting training. Make sure "
@@ -210,6 +256,8 @@ def fit(executor, x=None, y=None, *, batch_size=None, epochs=1,
         raise
     finally:
         executor.release()
+        model.__dict__.pop("_kd_executor", None)
+        model.__dict__.pop("_kd_resume", None)
     if isinstance(model.optimizer, keras.optimizers.Optimizer) and epochs > 0:
         model.optimizer.finalize_variable_values(model.trainable_weights)
     callbacks.on_train_end(logs=training_logs)
@@ -260,6 +308,24 @@ def build_for_training(model, strategy, sample_batch, build_optimizer=True):
         model.reset_metrics()
 
 
+def metric_state(model):
+    """The model's metric variables' values, in `model.metrics_variables` order
+    (a mid-epoch backup keeps them)."""
+    return [np.asarray(keras.ops.convert_to_numpy(v)) for v in model.metrics_variables]
+
+
+def assign_metric_state(model, values):
+    """Writes `metric_state` values back; a count mismatch is refused."""
+    variables = model.metrics_variables
+    if len(values) != len(variables):
+        raise ValueError(
+            f"The backup holds the state of {len(values)} metric variables; this model's "
+            f"metrics have {len(variables)}. Compile the model with the metrics it was "
+            "backed up with.")
+    for variable, value in zip(variables, values):
+        variable.assign(value)
+
+
 def reads_batch_logs(callbacks):
     """Whether any callback may read `on_train_batch_end`'s logs.
 
@@ -292,6 +358,8 @@ def metrics_or_logs(model, logs):
     epoch logs.
     """
     metric_logs = model.get_metrics_result()
+    if logs is None:  # no step ran in this process (see `fit`)
+        logs = metric_logs
     logs = flatten_logs(logs) if isinstance(logs, dict) else {}
     if set(logs) == set(metric_logs):
         logs = metric_logs

@@ -15,12 +15,15 @@ is killed as a whole, so nothing is left behind.
 
 import argparse
 import codecs
+import dataclasses
+import json
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -28,6 +31,41 @@ from keras_dist import isolation, recipes
 from keras_dist.cluster import ClusterConfig
 
 GRACE_SECONDS = 5.0
+"""Seconds stopped tasks get between SIGTERM and SIGKILL when the job ends."""
+
+PREEMPTION_WAIT = 30.0
+"""Seconds the launcher lets a preempted job's tasks save and exit by
+themselves (Kubernetes' default grace period) before stopping them."""
+
+STATE_ENV = "KERAS_DIST_RUN_STATE"
+"""A directory the launcher gives its tasks: `BackupAndRestore` notes there
+which backup is in force, and the launcher names it when it restarts the job."""
+
+PREEMPTED_EXIT_CODE = 75  # keras_dist.callbacks.backup.PREEMPTED_EXIT_CODE
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """A task ended the job: it died, or saved a backup and exited preempted."""
+
+    task: tuple
+    code: int
+
+    @property
+    def restartable(self):
+        """Killed by a signal (a lost machine, the OOM killer, a scheduler;
+        137/143 through a shell) or preempted: a restart can help. A task
+        that exits with an error of its own (a Python exception: 1) would
+        fail again."""
+        return self.code < 0 or self.code in (PREEMPTED_EXIT_CODE, 128 + signal.SIGKILL,
+                                              128 + signal.SIGTERM)
+
+    def why(self):
+        if self.code == PREEMPTED_EXIT_CODE:
+            return "was preempted (saved a backup, exit code 75)"
+        if self.code < 0:
+            return f"was killed by {signal.Signals(-self.code).name}"
+        return f"exited with code {self.code}"
 
 
 def parse_args(argv):
@@ -43,8 +81,12 @@ def parse_args(argv):
     parser.add_argument("--evaluator", action="store_true",
                         help="add an evaluator task")
     parser.add_argument("--max-restarts", type=int, default=3,
-                        help="with --ps: how many times a worker that dies is restarted "
-                             "(default 3)")
+                        help="how many times the job is restarted when a task dies or is "
+                             "preempted: every task is stopped and started again, and "
+                             "training resumes from its newest backup "
+                             "(kd.callbacks.BackupAndRestore). With --ps a worker that dies "
+                             "is restarted alone, up to this many times per worker "
+                             "(default 3; 0: stop the job on the first failure)")
     parser.add_argument("--no-isolate", action="store_true",
                         help="do not run the cluster in a private network namespace: its "
                              "unauthenticated TensorFlow ports are then reachable from "
@@ -89,6 +131,9 @@ class Cluster:
     def __init__(self, config, command, env=None, out=None, max_restarts=3):
         self.config, self.command = config, command
         self.env = dict(os.environ if env is None else env)
+        # Where a task's BackupAndRestore says which backup is in force.
+        self.state_dir = tempfile.mkdtemp(prefix="keras-dist-run-")
+        self.env[STATE_ENV] = self.state_dir
         self.console = _Console(out or sys.stdout,
                                 quiet="TF_CPP_MIN_LOG_LEVEL" not in self.env)
         self.procs = {}
@@ -145,12 +190,15 @@ class Cluster:
         proc.stdout.close()
 
     def wait(self):
-        """Waits for the leader (and, without ps, every worker); returns its code.
+        """Waits for the leader (and, without ps, every worker); returns its
+        code, or `Failure` when the job should be restarted as a whole.
 
-        With ps tasks (asynchronous training) a worker that dies is restarted,
-        up to `max_restarts` times per worker: TensorFlow's coordinator runs
-        its lost steps elsewhere and uses it again once it is back. Any other
-        failure stops the cluster.
+        With ps tasks (asynchronous training) a worker that dies is restarted
+        alone, up to `max_restarts` times per worker: TensorFlow's
+        coordinator runs its lost steps elsewhere and uses it again once it
+        is back. Any other task that dies (or exits with
+        `PREEMPTED_EXIT_CODE`, having saved a backup) fails the job: a
+        `Failure` naming it.
         """
         training = [t for t in self.procs if t[0] in ("chief", "worker")]
         must_finish = [self.leader] if self.config.num_ps else training
@@ -160,10 +208,7 @@ class Cluster:
                 if code is None or task not in training and task[0] != "ps":
                     continue
                 if task == self.leader and self.config.num_ps:
-                    if code != 0:
-                        self._say(f"{task[0]}:{task[1]} exited with code {code}; stopping "
-                                  "the cluster")
-                    return code
+                    return code if code == 0 else self._failure(task, code)
                 if self.config.num_ps and code == 0:
                     # Worker and ps tasks serve until the chief is done; one that
                     # ends cleanly ran the script on its own.
@@ -185,19 +230,47 @@ class Cluster:
                               f"its {self.max_restarts} restarts; stopping the cluster")
                     return code or 1
                 if self.config.num_ps or code != 0:
-                    self._say(f"{task[0]}:{task[1]} exited with code {code}; stopping the "
-                              "cluster")
-                    return code or 1
+                    if code == PREEMPTED_EXIT_CODE and not self.config.num_ps:
+                        # Every worker saves at the step they agreed on; the
+                        # leader writes the backup: let it finish.
+                        self._wait_for(self.leader, PREEMPTION_WAIT)
+                    return self._failure(task, code)
             if all(self.procs[t].poll() is not None for t in must_finish):
                 return self.procs[self.leader].returncode
             time.sleep(0.1)
 
-    def stop(self):
-        """Stops every task: SIGTERM to each process group, SIGKILL after a grace period."""
+    def _failure(self, task, code):
+        """The `Failure` that ended the job: of the tasks ended so far, one
+        killed or preempted (its peers fail after it, with errors of their
+        own), else `task`."""
+        ended = {t: p.poll() for t, p in self.procs.items() if p.poll() is not None}
+        for other, other_code in ended.items():
+            if Failure(other, other_code).restartable and not Failure(task, code).restartable:
+                return Failure(other, other_code)
+        return Failure(task, code)
+
+    def _wait_for(self, task, seconds):
+        try:
+            self.procs[task].wait(seconds)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def backup_in_force(self):
+        """What the tasks' `BackupAndRestore` last reported as in force
+        (`"<dir>/<backup>"`), or `None`."""
+        try:
+            with open(os.path.join(self.state_dir, "backup.json")) as f:
+                return json.load(f)["path"]
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def stop(self, grace=GRACE_SECONDS):
+        """Stops every task: SIGTERM to each process group, SIGKILL after
+        `grace` seconds."""
         alive = [p for p in self.all_procs if p.poll() is None]
         for proc in alive:
             _signal_group(proc, signal.SIGTERM)
-        deadline = time.monotonic() + GRACE_SECONDS
+        deadline = time.monotonic() + grace
         for proc in alive:
             try:
                 proc.wait(max(0.0, deadline - time.monotonic()))
@@ -211,6 +284,9 @@ class Cluster:
                 pass
         for thread in self._threads:
             thread.join(timeout=2)
+
+    def cleanup(self):
+        shutil.rmtree(self.state_dir, ignore_errors=True)
 
     def _say(self, text):
         self.console.line("keras-dist-run", text)
@@ -306,28 +382,56 @@ def main(argv=None):
     else:
         print("[keras-dist-run] warning: --no-isolate: the cluster's TensorFlow ports "
               "(no authentication) listen on every interface.", file=sys.stderr, flush=True)
-    config = ClusterConfig.local(workers=args.workers, ps=args.ps,
-                                 evaluator=args.evaluator)
-    cluster = Cluster(config, args.command, max_restarts=args.max_restarts)
-    where = "private network namespace" if args.in_namespace else "host network"
-    cluster._say(f"cluster: {config.describe()}; {where}")
+    restarts = 0
+    code = 1
 
     def on_signal(signum, frame):
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, on_signal)
-    code = 1
     try:
-        cluster.start()
-        code = cluster.wait()
-    except KeyboardInterrupt:
-        cluster._say("interrupted; stopping every task")
-        code = 130
+        while True:
+            config = ClusterConfig.local(workers=args.workers, ps=args.ps,
+                                         evaluator=args.evaluator)
+            cluster = Cluster(config, args.command, max_restarts=args.max_restarts)
+            if restarts == 0:
+                where = "private network namespace" if args.in_namespace else "host network"
+                cluster._say(f"cluster: {config.describe()}; {where}")
+            try:
+                cluster.start()
+                result = cluster.wait()
+            except KeyboardInterrupt:
+                cluster._say("interrupted; stopping every task (each may save a backup)")
+                cluster.stop(grace=PREEMPTION_WAIT)
+                leader = cluster.procs.get(cluster.leader)
+                code = PREEMPTED_EXIT_CODE if leader is not None and \
+                    leader.returncode == PREEMPTED_EXIT_CODE else 130
+                cluster.cleanup()
+                break
+            backup = cluster.backup_in_force()
+            cluster.stop()
+            cluster.cleanup()
+            if not isinstance(result, Failure):
+                code = result
+                break
+            task = f"{result.task[0]}:{result.task[1]}"
+            code = result.code if result.code > 0 else 128 - result.code
+            if not result.restartable or args.max_restarts == 0:
+                # The shell's convention for a killed task: 128 + signal number.
+                cluster._say(f"{task} exited with code {result.code}; stopping the cluster")
+                break
+            if restarts >= args.max_restarts:
+                cluster._say(f"{task} {result.why()}; the job has used its "
+                             f"{args.max_restarts} restarts; stopping the cluster")
+                break
+            restarts += 1
+            resume = (f"resuming from {backup}" if backup else
+                      "no backup in force: starting afresh")
+            cluster._say(f"{task} {result.why()}; restarting the job "
+                         f"({restarts}/{args.max_restarts}), {resume}")
     finally:
-        cluster.stop()
         signal.signal(signal.SIGTERM, previous)
-    # A task killed by a signal: the shell's convention, 128 + signal number.
-    return code if code >= 0 else 128 - code
+    return code
 
 
 if __name__ == "__main__":

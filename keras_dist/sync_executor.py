@@ -66,6 +66,8 @@ class SyncExecutor(driver.Executor):
         super().__init__(*args, **kwargs)
         self._train_fns = self._eval_fns = None
         self._iterator = None
+        self._start = 0  # the step the next epoch starts at (a resumed one: > 0)
+        self._positioned = False  # the iterator is already at the next epoch's start
 
     @classmethod
     def for_evaluation(cls, model, strategy, cluster=None):
@@ -102,14 +104,24 @@ class SyncExecutor(driver.Executor):
         data_lib.release_iterator(self._iterator)
         self._iterator = None
 
+    def seek(self, train_input, epoch, step):
+        """Positions the input at `step` of 0-based `epoch` (a resumed run):
+        the next epoch trains from there, on the batches an uninterrupted
+        run would read (`DistributedInput.at`)."""
+        data_lib.release_iterator(self._iterator)
+        self._iterator = None
+        self._iterator = iter(train_input.at(epoch, step))
+        self._start, self._positioned = step, True
+
     def train_epoch(self, train_input):
-        if not train_input.repeats:
+        if not train_input.repeats and not self._positioned:
             data_lib.release_iterator(self._iterator)  # last epoch's, off this thread
             self._iterator = None
             self._iterator = iter(train_input.dataset)
+        start, self._start, self._positioned = self._start, 0, False
         self.ran_out = False
         self._train_fns.restart_stall_count()
-        for event in self._train_fns.steps(self._iterator, train_input.steps):
+        for event in self._train_fns.steps(self._iterator, train_input.steps, start=start):
             yield event
         self.ran_out = self._train_fns.ran_out and train_input.repeats
 
@@ -271,12 +283,12 @@ class _StepFunctions:
         if self._probe is not None:
             self._stalled = self._probe.stalled()
 
-    def steps(self, iterator, total):
-        """Yields `BatchBegin` before and `BatchEnd` after each execution;
-        stops at `total` steps or at the end of the data."""
+    def steps(self, iterator, total, start=0):
+        """Yields `BatchBegin` before and `BatchEnd` after each execution,
+        from step `start` on; stops at `total` steps or at the end of the data."""
         per_call = max(1, int(getattr(self.model, "steps_per_execution", 1) or 1))
         self.ran_out = False
-        begin = 0
+        begin = start
         while total is None or begin < total:
             k = 1 if total is None else min(per_call, total - begin)  # unknown length:
             yield driver.BatchBegin(begin)                              # stop exactly at the end

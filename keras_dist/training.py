@@ -148,7 +148,7 @@ def fit(model, x=None, y=None, *, strategy="auto", cluster=None, nonfinite_updat
                                         outer_optimizer=outer_optimizer, elastic=elastic,
                                         **setup),
                           x, y, **fit_kwargs)
-    if _needs_own_loop(dist):
+    if _needs_own_loop(dist) or _resumes_mid_epoch(fit_kwargs.get("callbacks")):
         return driver.fit(SyncExecutor(model, dist, **setup), x, y, **fit_kwargs)
     if nonfinite_updates is not None:
         warnings.warn(
@@ -215,6 +215,16 @@ def _needs_own_loop(dist):
     resolver = dist.cluster_resolver
     spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
     return len(spec.get("chief", ())) + len(spec.get("worker", ())) > 1
+
+
+def _resumes_mid_epoch(callbacks):
+    """Whether a `keras_dist.callbacks.BackupAndRestore` is among `callbacks`:
+    its backups resume at a step within an epoch (and at the batches an
+    uninterrupted run reads there), which Keras' own loop cannot do."""
+    from keras_dist.callbacks.backup import BackupAndRestore
+
+    found = getattr(callbacks, "callbacks", callbacks) or ()
+    return any(isinstance(cb, BackupAndRestore) for cb in found)
 
 
 def _convertible(model):

@@ -27,7 +27,7 @@ from procs import REPO
 
 def launch(out_dir, backup, epochs, crash_epoch, ps):
     cmd = [sys.executable, "-m", "keras_dist.launch", "--workers", "2", "--ps", str(ps),
-           "--", sys.executable, "tests/scripts/resume_train.py", str(out_dir),
+           "--max-restarts", "0", "--", sys.executable, "tests/scripts/resume_train.py", str(out_dir),
            str(backup), str(epochs), str(crash_epoch)]
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
@@ -69,12 +69,14 @@ def test_chief_crash_stops_the_cluster_and_a_rerun_resumes(tmp_path, ps):
     chief = "chief:0" if ps else "worker:0"
     assert code == 3, out[-3000:]
     assert f"{chief} exited with code 3; stopping the cluster" in out, out[-3000:]
-    assert sorted(os.listdir(backup)) == ["epoch-000003", "latest.json"]
+    # The backups of epochs 2 and 3 (keep=2), the newest in force.
+    assert sorted(os.listdir(backup)) == [".lock", "backup-000002-000000000",
+                                          "backup-000003-000000000", "latest.json"]
     # Fail fast: the launcher does not wait for anything after the crash.
     assert crashed_after < 120
     code, out = finish(launch(tmp_path, backup, 5, -1, ps))
     assert code == 0, out[-3000:]
-    assert f"resuming from {backup}/epoch-000003 at epoch 4 (backed up after epoch 3)" in out
+    assert f"resuming from {backup}/backup-000003-000000000 at epoch 4, step 0" in out
     check_resumed(tmp_path, 3, 5, ps)
 
 

@@ -1,58 +1,109 @@
-"""`BackupAndRestore`: resume training after a crash, from a checkpoint that is
-always whole."""
+"""`BackupAndRestore`: resume training after a crash or a preemption, from a
+backup that is always whole, at the step it was taken."""
 
 import contextlib
+import errno
+import hashlib
 import json
 import logging
 import os
 import shutil
+import signal
+import sys
 import tempfile
+import threading
+import time
 import warnings
 
 import keras
+import numpy as np
 
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
+from keras_dist import driver
 from keras_dist.cluster import ClusterConfig
 
 logger = logging.getLogger("keras_dist")
 
+PREEMPTED_EXIT_CODE = 75
+"""The exit code of a task that saved a backup because it was told it will be
+preempted (SIGTERM, SIGUSR1): "preempted, resume me". 75 is `EX_TEMPFAIL`
+of sysexits.h (a temporary failure; retrying is invited). `keras-dist-run
+--max-restarts` restarts the job on it; so can a Kubernetes Job's
+`podFailurePolicy` (`onExitCodes`) or a SLURM requeue."""
+
+CHECK_EVERY = 10
+"""Under MultiWorkerMirrored the workers agree on the step to stop at every
+this many steps (one small all-reduce): one worker told to stop makes every
+worker save at the same step (saving reads the mirrored weights)."""
+
 _POINTER = "latest.json"
 _WEIGHTS = "checkpoint.weights.h5"
+_METRICS = "metrics.npz"
 _STATE = "state.json"
+_LOCK = ".lock"
+_PREFIX = "backup-"
+_SIGNALS = ("SIGTERM", "SIGUSR1")
 
 
 class BackupAndRestore(keras.callbacks.Callback):
-    """Backs training up every epoch; a rerun of the same command resumes it.
+    """Backs training up as it goes; a rerun of the same command resumes it
+    at the step the backup was taken, and a preempted task saves and exits.
 
-    At the end of every epoch the chief writes the model's weights, the
-    optimizer's state, the epoch counter and (asynchronous training) the
-    parameter version into a new directory under `backup_dir`, and only then
-    points `backup_dir/latest.json` at it, with an atomic rename. A crash at
-    any moment leaves either the previous checkpoint or the new one in
-    force, never a half-written one. When training starts and a checkpoint
-    is there, it is restored: same weights, same optimizer state, and
-    training continues at the epoch after the checkpoint (the epoch counter,
-    `History` and callbacks see the real epoch numbers).
+    Each backup holds the model's weights, the optimizer's state, the epoch
+    and the step within it, the metrics' state of that epoch so far and
+    (asynchronous training) the parameter version. It is written into a new
+    directory under `backup_dir` with a checksum of every file, and only then
+    does `backup_dir/latest.json` point at it (an atomic rename): a crash at
+    any moment leaves a whole backup in force. The previous backup is kept
+    (`keep=2`) and a newest one found damaged when restoring (a truncated
+    or corrupted file) is skipped for the one before, with one warning naming
+    the file.
 
-    Use it instead of `keras.callbacks.BackupAndRestore` with keras_dist's
-    loops (MultiWorkerMirrored, parameter servers), where Keras' callback
-    cannot set the starting epoch, and wherever a crash may hit during a
-    write: Keras' writes the weights in place and its epoch file after them,
-    so a crash in between resumes with mismatched weights and epoch, and it
-    leaves the starting epoch set on the model for the next `fit` call. In a
-    multi-worker job every worker must see `backup_dir` (a shared
-    filesystem); only the chief writes it (other workers write throwaway
-    copies, so that any collective reads stay matched).
+    When training starts and a backup is there, it is restored: same
+    weights and optimizer state, and training resumes at the epoch and step
+    of the backup on the same batches an uninterrupted run would read there
+    (keras_dist's loop positions the input: arrays always, a dataset whose
+    order does not depend on how often it was read before, a `dataset_fn`
+    by skipping; see docs/fault-tolerance.md). The resumed epoch's logs
+    count all its steps, before and after the interruption.
+
+    **Preemption.** While `fit` runs, SIGTERM and SIGUSR1 (what Kubernetes
+    and SLURM's `--signal` send before SIGKILL) are caught: training stops
+    at the next step -- under MultiWorkerMirrored every worker at the same
+    one, agreed within `CHECK_EVERY` steps -- a backup is written and the
+    process exits with `PREEMPTED_EXIT_CODE` (75). If that has not happened
+    within 80% of `grace_period`, the process exits with that code without
+    saving: the previous backup stays in force.
+
+    Mid-epoch backups (`save_freq` in steps) and resuming mid-epoch need
+    keras_dist's loop (`keras_dist.fit`, `AsyncModel.fit`); under Keras'
+    own `model.fit` this callback backs up every epoch and refuses the rest
+    with an error saying so. In a multi-worker job every worker must see
+    `backup_dir` (a shared filesystem); only the chief writes it (other
+    workers write throwaway copies, so that any collective reads stay
+    matched). Two jobs writing the same `backup_dir` at once are refused.
 
     Args:
-        backup_dir: Directory for the checkpoints (created if needed).
+        backup_dir: Directory for the backups (created if needed).
+        save_freq: `"epoch"` (after every epoch) or an integer: every that
+            many steps (counted across epochs; asynchronous training counts
+            updates). Defaults to `"epoch"`.
         delete_checkpoint: Boolean. Delete the backups when training
             finishes normally (default True: a later run starts afresh).
-        keep: Integer >= 1. Checkpoints kept; older ones are deleted once
-            a newer one is in force.
+        keep: Integer >= 1. Backups kept; older ones are deleted once a
+            newer one is in force. Defaults to 2 (a damaged newest backup
+            falls back on the one before).
+        save_on_preemption: Boolean. Catch SIGTERM and SIGUSR1 as above.
+            Defaults to True.
+        grace_period: Seconds between the scheduler's SIGTERM and its
+            SIGKILL (Kubernetes' `terminationGracePeriodSeconds`, default
+            30; with SLURM, the time given in `--signal=B:TERM@<time>`).
 
     Attributes:
         restored_epoch: Integer or `None`: the epoch training resumed at.
+        restored_step: Integer or `None`: the step within it.
+        restored_history: Dict or `None`: the epoch logs (`History`) of
+            the epochs finished before the backup.
 
     Example:
 
@@ -64,61 +115,135 @@ class BackupAndRestore(keras.callbacks.Callback):
     ...     return model
     >>> x, y = np.ones((32, 4)), np.ones((32, 1))
     >>> class Crash(keras.callbacks.Callback):
-    ...     def on_epoch_end(self, epoch, logs=None):
-    ...         if epoch == 1:
+    ...     def on_train_batch_end(self, batch, logs=None):
+    ...         if batch == 2:   # mid-epoch 1, after the backup of its step 2
     ...             raise RuntimeError("the machine went away")
-    >>> model = build()
+    ...     def on_epoch_begin(self, epoch, logs=None):
+    ...         self.on_train_batch_end = (Crash.on_train_batch_end.__get__(self)
+    ...                                    if epoch == 1 else lambda *a, **k: None)
     >>> try:
-    ...     model.fit(x, y, epochs=4, verbose=0, callbacks=[
-    ...         kd.callbacks.BackupAndRestore(backup), Crash()])
+    ...     kd.fit(build, x, y, epochs=3, batch_size=8, verbose=0, callbacks=[
+    ...         kd.callbacks.BackupAndRestore(backup, save_freq=2), Crash()])
     ... except RuntimeError:
     ...     pass
-    >>> model = build()   # a new process would start here
-    >>> history = model.fit(x, y, epochs=4, verbose=0, callbacks=[
-    ...     kd.callbacks.BackupAndRestore(backup)])
-    >>> history.epoch    # epoch 1 was backed up before the crash
-    [2, 3]
+    >>> restorer = kd.callbacks.BackupAndRestore(backup, save_freq=2)
+    >>> history = kd.fit(build, x, y, epochs=3, batch_size=8, verbose=0,
+    ...                  callbacks=[restorer])
+    >>> restorer.restored_epoch, restorer.restored_step, history.epoch
+    (1, 2, [1, 2])
     """
 
-    def __init__(self, backup_dir, delete_checkpoint=True, keep=1):
+    def __init__(self, backup_dir, save_freq="epoch", delete_checkpoint=True, keep=2,
+                 save_on_preemption=True, grace_period=30.0):
         super().__init__()
         if not isinstance(backup_dir, (str, os.PathLike)) or not os.fspath(backup_dir):
             raise ValueError(
                 "BackupAndRestore: `backup_dir` must be a non-empty directory path. "
                 f"Received: backup_dir={backup_dir!r}.")
+        if save_freq != "epoch" and (isinstance(save_freq, bool)
+                                     or not isinstance(save_freq, (int, np.integer))
+                                     or save_freq < 1):
+            raise ValueError(
+                "BackupAndRestore: `save_freq` must be \"epoch\" or an integer number of "
+                f"steps >= 1. Received: save_freq={save_freq!r}.")
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(
                 f"BackupAndRestore: `keep` must be an integer >= 1. Received: keep={keep!r}.")
+        if (isinstance(grace_period, bool) or not isinstance(grace_period, (int, float))
+                or not grace_period > 0):
+            raise ValueError(
+                "BackupAndRestore: `grace_period` must be a number of seconds > 0 (the "
+                "time the scheduler leaves between SIGTERM and SIGKILL; Kubernetes' "
+                f"default is 30). Received: grace_period={grace_period!r}.")
         self.backup_dir = os.path.abspath(os.fspath(backup_dir))
         if os.path.exists(self.backup_dir) and not os.path.isdir(self.backup_dir):
             raise ValueError(
                 f"BackupAndRestore: backup_dir={self.backup_dir!r} exists and is not a "
                 "directory.")
+        self.save_freq = save_freq if save_freq == "epoch" else int(save_freq)
         self.delete_checkpoint = bool(delete_checkpoint)
         self.keep = keep
-        self.restored_epoch = None
+        self.save_on_preemption = bool(save_on_preemption)
+        self.grace_period = float(grace_period)
+        self.restored_epoch = self.restored_step = None
+        self.restored_history = None
         cluster = ClusterConfig.from_env()
         self._chief = cluster is None or cluster.is_chief
+        self._workers = 1 if cluster is None else (
+            len(cluster.cluster.get("worker", ())) + len(cluster.cluster.get("chief", ())))
+        self._lock = None
+        self._watchdog = None
+        self._signalled_exit = False  # exiting for a preemption: the watchdog stays
+        self._previous_handlers = {}
+        self._signalled = None  # the name of the signal received, once one was
+        self._epoch = 0
+        self._done = 0  # steps done in the epoch in progress
+        self._since = 0  # steps since the last backup
+        self._history = {}
 
     # ------------------------------------------------------------- restoring
     def latest(self):
-        """The checkpoint in force: a dict (`epoch`, `path`, ...) or `None`."""
+        """The backup in force: a dict (`epoch`, `step`, `path`, ...) or `None`.
+
+        The newest whole backup: one whose files fail their checksum (torn
+        or corrupted) is passed over for the one before, with a warning
+        naming the file."""
+        for path in self._candidates():
+            state, problem = _read_backup(path)
+            if problem is None:
+                return dict(state, path=path)
+            warnings.warn(f"BackupAndRestore: skipping the damaged backup {path!r}: "
+                          f"{problem}. Using the one before it.", stacklevel=2)
+        return None
+
+    def _candidates(self):
+        """Backup directories, newest first: the one `latest.json` names,
+        then the others by the position they resume at."""
+        if not os.path.isdir(self.backup_dir):
+            return []
+        names = [n for n in os.listdir(self.backup_dir)
+                 if (n.startswith(_PREFIX) or n.startswith("epoch-"))
+                 and os.path.isdir(os.path.join(self.backup_dir, n))]
+        names.sort(key=_position_of, reverse=True)
         pointer = os.path.join(self.backup_dir, _POINTER)
-        if not os.path.exists(pointer):
-            return None
-        with open(pointer) as f:
-            latest = json.load(f)
-        path = os.path.join(self.backup_dir, latest["directory"])
-        with open(os.path.join(path, _STATE)) as f:
-            state = json.load(f)
-        return dict(state, path=path)
+        try:
+            with open(pointer) as f:
+                first = json.load(f)["directory"]
+        except (OSError, ValueError, KeyError):
+            first = None
+        if first in names:
+            names.remove(first)
+            names.insert(0, first)
+        return [os.path.join(self.backup_dir, n) for n in names]
 
     def on_train_begin(self, logs=None):
-        self.restored_epoch = None
+        self.restored_epoch = self.restored_step = None
+        own_loop = bool(self.model.__dict__.get("_kd_loop"))
+        if self.save_freq != "epoch" and not own_loop:
+            raise ValueError(
+                f"BackupAndRestore(save_freq={self.save_freq}): backups within an epoch "
+                "need keras_dist's training loop, which can resume mid-epoch; Keras' own "
+                "model.fit cannot. Train with keras_dist.fit(...), or use "
+                "save_freq=\"epoch\".")
+        self._take_lock()
+        self._history = {}
+        self._epoch, self._done, self._since = 0, 0, 0
+        self._signalled = None
         checkpoint = self.latest()
-        if checkpoint is None:
-            return
+        if checkpoint is not None:
+            self._restore(checkpoint, own_loop)
+        if self.save_on_preemption:
+            self._catch_signals()
+
+    def _restore(self, checkpoint, own_loop):
         model = self.model
+        step = int(checkpoint.get("step", 0))
+        if step and not own_loop:
+            raise ValueError(
+                f"BackupAndRestore: the backup {checkpoint['path']!r} was taken at step "
+                f"{step} of epoch {checkpoint['epoch']}; only keras_dist's loop can resume "
+                "there. Train with keras_dist.fit(...) (or delete the backup to start "
+                "afresh).")
         if not model.built:
             raise ValueError(
                 "BackupAndRestore: the model must be built before fit() to restore "
@@ -137,41 +262,91 @@ class BackupAndRestore(keras.callbacks.Callback):
                 raise ValueError(skipped[0])
         except (ValueError, KeyError) as error:
             raise ValueError(
-                f"BackupAndRestore: the checkpoint {checkpoint['path']!r} (epoch "
+                f"BackupAndRestore: the backup {checkpoint['path']!r} (epoch "
                 f"{checkpoint['epoch']}) does not fit this model: {error}. Was "
                 "backup_dir used by another model? Delete it to start afresh.") from error
         counter = getattr(model, "version_counter", None)
         if counter is not None and checkpoint.get("version") is not None:
             counter.variable.assign(checkpoint["version"])
-        self.restored_epoch = checkpoint["epoch"]
+        self.restored_epoch, self.restored_step = checkpoint["epoch"], step
+        self._epoch, self._done = checkpoint["epoch"], step
+        self._history = checkpoint.get("history") or {}
+        self.restored_history = {k: list(v) for k, v in self._history.items()}
         # Keras' own loop reads this after on_train_begin; so do keras_dist's.
         model._initial_epoch = checkpoint["epoch"]
+        if own_loop:
+            metrics = []
+            if step:
+                with np.load(os.path.join(checkpoint["path"], _METRICS)) as saved:
+                    metrics = [saved[f"m{i}"] for i in range(len(saved.files))]
+            model.__dict__["_kd_resume"] = {"step": step, "metrics": metrics}
         if self._chief:
-            logger.info("keras_dist: resuming from %s at epoch %d (backed up after "
-                        "epoch %d)", checkpoint["path"], checkpoint["epoch"] + 1,
-                        checkpoint["epoch"])
+            logger.info("keras_dist: resuming from %s at epoch %d, step %d",
+                        checkpoint["path"], checkpoint["epoch"] + 1, step)
 
     # ---------------------------------------------------------------- saving
-    def on_epoch_end(self, epoch, logs=None):
-        self.save(epoch + 1)
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch != self._epoch:
+            self._done = 0
+        self._epoch = epoch
 
-    def save(self, epoch):
-        """Writes a checkpoint that resumes at `epoch`, then puts it in force."""
+    def on_train_batch_end(self, batch, logs=None):
+        steps = batch + 1 - self._done
+        self._done = batch + 1
+        self._since += steps
+        # Under MultiWorkerMirrored: agree at the first batch end past each
+        # multiple of CHECK_EVERY steps (the same batch ends on every worker).
+        check = (self._done - steps) // CHECK_EVERY != self._done // CHECK_EVERY
+        if self.save_on_preemption and self._stop_agreed(check):
+            self._stop_here()
+        if self.save_freq != "epoch" and self._since >= self.save_freq:
+            self.save(self._epoch, step=self._done)
+
+    def on_test_batch_end(self, batch, logs=None):
+        # Preempted during validation: the epoch's training steps are done.
+        if self.save_on_preemption and self._signalled and self._workers == 1:
+            self._stop_here()
+
+    def on_epoch_end(self, epoch, logs=None):
+        for name, value in (logs or {}).items():
+            if np.ndim(value) == 0:
+                self._history.setdefault(name, []).append(float(value))
+        if self.save_freq == "epoch":
+            self.save(epoch + 1)
+        if self.save_on_preemption and self._stop_agreed(True):
+            self._preempted(epoch + 1, 0)
+
+    def save(self, epoch, step=0):
+        """Writes a backup that resumes at `step` of 0-based `epoch`, then puts
+        it in force."""
+        self._since = 0
         os.makedirs(self.backup_dir, exist_ok=True)
         parent = self.backup_dir if self._chief else None
         staging = tempfile.mkdtemp(prefix=".writing-", dir=parent)
         try:
-            self.model.save_weights(os.path.join(staging, _WEIGHTS))
             counter = getattr(self.model, "version_counter", None)
-            state = {"epoch": epoch,
-                     "version": None if counter is None else counter.value}
+            # The version before the weights: under parameter servers a
+            # backup is a snapshot taken while updates go on.
+            version = None if counter is None else counter.value
+            self.model.save_weights(os.path.join(staging, _WEIGHTS))
+            files = [_WEIGHTS]
+            if step:
+                executor = self.model.__dict__.get("_kd_executor")
+                values = (executor.metric_state() if executor is not None
+                          else driver.metric_state(self.model))
+                np.savez(os.path.join(staging, _METRICS),
+                         **{f"m{i}": v for i, v in enumerate(values)})
+                files.append(_METRICS)
+            state = {"epoch": int(epoch), "step": int(step), "version": version,
+                     "history": self._history, "saved_at": time.time(),
+                     "files": {name: _digest(os.path.join(staging, name)) for name in files}}
             _write_json(os.path.join(staging, _STATE), state)
             _fsync_dir(staging)
             if not self._chief:
                 return
-            name = f"epoch-{epoch:06d}"
+            name = f"{_PREFIX}{epoch:06d}-{step:09d}"
             final = os.path.join(self.backup_dir, name)
-            if os.path.exists(final):  # the same epoch again, after a restore
+            if os.path.exists(final):  # the same position again, after a restore
                 shutil.rmtree(final)
             os.replace(staging, final)
             staging = None
@@ -179,12 +354,14 @@ class BackupAndRestore(keras.callbacks.Callback):
                         atomic=True)
             _fsync_dir(self.backup_dir)
             self._prune(keep_name=name)
+            _tell_launcher(final)
         finally:
             if staging is not None:
                 shutil.rmtree(staging, ignore_errors=True)
 
     def _prune(self, keep_name):
-        names = sorted(n for n in os.listdir(self.backup_dir) if n.startswith("epoch-"))
+        names = sorted((n for n in os.listdir(self.backup_dir)
+                        if n.startswith(_PREFIX) or n.startswith("epoch-")), key=_position_of)
         for name in names[:-self.keep]:
             if name != keep_name:
                 shutil.rmtree(os.path.join(self.backup_dir, name), ignore_errors=True)
@@ -194,8 +371,197 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self.model._initial_epoch = None  # Keras would reuse it in the next fit
+        self._restore_signals()
         if self.delete_checkpoint and self._chief:
             shutil.rmtree(self.backup_dir, ignore_errors=True)
+        self._release_lock()
+
+    # ------------------------------------------------------------ preemption
+    def _catch_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            warnings.warn("BackupAndRestore: fit() runs outside the main thread, where "
+                          "signal handlers cannot be set: SIGTERM is not caught (no backup "
+                          "on preemption).", stacklevel=3)
+            return
+        for name in _SIGNALS:
+            number = getattr(signal, name, None)
+            if number is not None:
+                self._previous_handlers[number] = signal.signal(number, self._on_signal)
+
+    def _restore_signals(self):
+        if self._watchdog is not None and not self._signalled_exit:
+            self._watchdog.cancel()
+        self._watchdog = None
+        for number, handler in self._previous_handlers.items():
+            signal.signal(number, handler)
+        self._previous_handlers = {}
+
+    def _on_signal(self, signum, frame):
+        if self._signalled:
+            return
+        self._signalled = signal.Signals(signum).name
+        # Never outlive the grace period: exit before SIGKILL can cut a write
+        # short (the previous backup stays in force).
+        self._watchdog = threading.Timer(0.8 * self.grace_period, self._give_up)
+        self._watchdog.daemon = True
+        self._watchdog.start()
+
+    def _give_up(self):
+        sys.stderr.write(
+            f"keras_dist: {self._signalled} received {0.8 * self.grace_period:.0f} s ago and "
+            "training has not reached a step to stop at; exiting without a new backup (the "
+            f"previous one stays in force), code {PREEMPTED_EXIT_CODE}.\n")
+        sys.stderr.flush()
+        os._exit(PREEMPTED_EXIT_CODE)
+
+    def _stop_agreed(self, check):
+        """Whether to stop here: a signal was received (by any worker, under
+        MultiWorkerMirrored, where the workers agree where `check` is true:
+        every `CHECK_EVERY` steps and at each epoch's end)."""
+        if self._workers == 1 or not self._multi_worker():
+            return bool(self._signalled)
+        if not check:
+            return False
+        strategy = self.model.distribute_strategy
+        flag = 1.0 if self._signalled else 0.0
+        import tensorflow as tf
+
+        total = strategy.reduce(
+            "SUM", strategy.run(lambda: tf.constant(flag)), axis=None)
+        if float(total) > 0 and not self._signalled:
+            self._signalled = "a peer's signal"
+        return float(total) > 0
+
+    def _multi_worker(self):
+        import tensorflow as tf
+
+        strategy = getattr(self.model, "distribute_strategy", None)
+        return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+
+    def _stop_here(self):
+        """Stops for a preemption at the current step. keras_dist's loop
+        first lets what is in flight finish (parameter servers) and then
+        calls back; Keras' own loop cannot resume mid-epoch, so there the
+        process exits without a new backup (the last epoch's is in force)."""
+        if self.model.__dict__.get("_kd_executor") is not None:
+            self.model.__dict__["_kd_preempt"] = lambda: self._preempted(self._epoch,
+                                                                         self._done)
+            return
+        if self._done == 0:
+            self._preempted(self._epoch, 0)
+        print(f"keras_dist: {self._signalled} at step {self._done} of epoch "
+              f"{self._epoch + 1}: Keras' own loop cannot resume mid-epoch, so the backup "
+              f"of the last epoch stays in force; exiting with code {PREEMPTED_EXIT_CODE}. "
+              "Train with keras_dist.fit to back up and resume at the step.",
+              file=sys.stderr, flush=True)
+        self._signalled_exit = True
+        self._restore_signals()
+        self._release_lock()
+        raise SystemExit(PREEMPTED_EXIT_CODE)
+
+    def _preempted(self, epoch, step):
+        self._signalled_exit = True
+        self.save(epoch, step=step)
+        if self._chief:
+            print(f"keras_dist: {self._signalled}: backed up at epoch {epoch + 1}, step "
+                  f"{step} in {self.backup_dir}; exiting with code {PREEMPTED_EXIT_CODE} "
+                  "(preempted: rerun to resume)", file=sys.stderr, flush=True)
+        self._restore_signals()
+        self._release_lock()
+        raise SystemExit(PREEMPTED_EXIT_CODE)
+
+    # ------------------------------------------------------------- the lock
+    def _take_lock(self):
+        """Refuses a backup_dir another running job is writing (a lock held
+        while fit runs; the system drops it when a process dies)."""
+        if not self._chief or self._lock is not None:
+            return
+        import fcntl
+
+        os.makedirs(self.backup_dir, exist_ok=True)
+        path = os.path.join(self.backup_dir, _LOCK)
+        held = _HELD.get(path)
+        if held is not None:  # this process, a fit that ended by an exception
+            self._lock = held
+            return
+        f = open(path, "a+")
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            if error.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            f.seek(0)
+            owner = f.read().strip() or "another process"
+            f.close()
+            raise ValueError(
+                f"BackupAndRestore: backup_dir={self.backup_dir!r} is in use by another "
+                f"running job ({owner}). Two jobs writing one backup directory would "
+                "resume each other's training; give each job its own backup_dir.") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {os.uname().nodename}")
+        f.flush()
+        self._lock = _HELD[path] = f
+
+    def _release_lock(self):
+        if self._lock is None:
+            return
+        _HELD.pop(os.path.join(self.backup_dir, _LOCK), None)
+        self._lock.close()
+        self._lock = None
+
+
+_HELD = {}  # lock path -> open file, for the locks this process holds
+
+
+def _tell_launcher(path):
+    """Notes the backup in force where `keras-dist-run` looks (it names it
+    when it restarts the job)."""
+    state = os.environ.get("KERAS_DIST_RUN_STATE")
+    if state and os.path.isdir(state):
+        with contextlib.suppress(OSError):
+            _write_json(os.path.join(state, "backup.json"), {"path": path}, atomic=True)
+
+
+def _position_of(name):
+    """`(epoch, step)` a backup directory's name resumes at."""
+    try:
+        if name.startswith(_PREFIX):
+            epoch, step = name[len(_PREFIX):].split("-")
+            return int(epoch), int(step)
+        return int(name[len("epoch-"):]), 0
+    except ValueError:
+        return -1, -1
+
+
+def _read_backup(path):
+    """`(state, None)` for a whole backup, `(None, problem)` otherwise."""
+    try:
+        with open(os.path.join(path, _STATE)) as f:
+            state = json.load(f)
+    except (OSError, ValueError) as error:
+        return None, f"{os.path.join(path, _STATE)} cannot be read ({error})"
+    for name, expected in (state.get("files") or {}).items():
+        file = os.path.join(path, name)
+        try:
+            found = _digest(file)
+        except OSError as error:
+            return None, f"{file} cannot be read ({error})"
+        if found != expected:
+            return None, (f"{file} is damaged ({found['size']} bytes, checksum "
+                          f"{found['sha256'][:12]}; written as {expected['size']} bytes, "
+                          f"{expected['sha256'][:12]})")
+    return state, None
+
+
+def _digest(path):
+    sha = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            sha.update(block)
+            size += len(block)
+    return {"size": size, "sha256": sha.hexdigest()}
 
 
 def _write_json(path, data, atomic=False):
