@@ -202,12 +202,17 @@ class AsyncExecutor(driver.Executor):
         self._nominal = 0  # the steps of the epochs run so far
         self._start = 0  # the step the next epoch starts at (resumed: > 0)
         self._draining = False  # preempted: nothing more is scheduled
+        self._epoch_version = 0  # the parameter version when the epoch began
+        self._steps = train_input.steps
         self._warned_stuck = False
 
     def begin_epoch(self):
         super().begin_epoch()
         self.metrics.reset()
         self.stats.reset()
+        # The version the epoch starts from (`position`); a resumed epoch's
+        # first `_start` updates are in the restored version already.
+        self._epoch_version = self.state.version.value - self._start
         if self._aware is not None:
             self._aware.reset_staleness_logs()
 
@@ -222,6 +227,13 @@ class AsyncExecutor(driver.Executor):
     def metric_state(self):
         return [np.array(v) for v in self.metrics.values]
 
+    def position(self, step, version):
+        """A backup's step: the updates applied in this epoch so far, as the
+        parameter version read for it counts them (reports lag behind the
+        updates by what is in flight; resuming from the reported count would
+        apply those again)."""
+        return int(min(self._steps, max(step, version - self._epoch_version)))
+
     def restore_metrics(self, values):
         if len(values) != len(self.metrics.values):
             driver.assign_metric_state(self.model, values)  # the count error
@@ -235,6 +247,7 @@ class AsyncExecutor(driver.Executor):
         stopped worker, or started before a late one landed) stay in flight
         and count in the epoch they land in."""
         steps, per_call = train_input.steps, self._per_call
+        self._steps = steps
         ring, flight = self._ring, self._flight
         start, self._start = self._start, 0
         self._epoch = {"finished": start, "reported": start, "begun": start}

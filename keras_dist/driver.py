@@ -123,6 +123,11 @@ class Executor:
         """The metrics' state of the epoch so far (`metric_state`)."""
         return metric_state(self.model)
 
+    def position(self, step, version):
+        """The step a backup taken after `step` steps of the epoch resumes
+        at (`version`: the parameter version read for it, or `None`)."""
+        return step
+
     def restore_metrics(self, values):
         """Puts the metrics' state of a backup taken mid-epoch back (after the
         epoch's reset), so the epoch's logs count every step of it."""

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -211,3 +212,214 @@ def test_parameter_server_chief_sigtermed_drains_saves_and_the_job_counts_every_
         STEPS + resumed["restored_step"]), counts
     history = full_history(resumed)
     assert len(history["loss"]) == EPOCHS and history["loss"][-1] < history["loss"][0]
+
+
+def latest_pids(proc, roles):
+    """{task: pid} of the tasks of `roles` as the launcher last started them."""
+    found = {}
+    for task, pid in re.findall(r"started ((?:\w+):\d+) \(pid (\d+)\)", log(proc)):
+        if task.split(":")[0] in roles:
+            found[task] = int(pid)
+    return found
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("ps", [0, 1], ids=["multiworker", "ps"])
+def test_random_tasks_sigkilled_three_times_the_job_finishes_by_itself(tmp_path, ps):
+    """SIGKILL (no warning, no save) a random task at three points of the
+    run under --max-restarts 10: keras-dist-run restarts the job from the
+    newest backup (save_freq 10) each time -- under parameter servers a
+    killed worker alone -- and the job ends by itself. Synchronous: the
+    weights of an uninterrupted job, exactly. Asynchronous: every update
+    counted."""
+    rng = np.random.default_rng(ps)
+    roles = ("chief", "ps", "worker") if ps else ("worker",)
+    if not ps:
+        reference_run = launch(tmp_path / "reference", ps=0)
+        assert finish(reference_run) == 0, log(reference_run)[-3000:]
+    run = tmp_path / "killed"
+    proc = launch(run, ps=ps, max_restarts=10)
+    killed = []
+    try:
+        for point in [(0, 15), (1, 10), (2, 5)]:
+            wait_for(run, *point, proc)
+            task, pid = sorted(latest_pids(proc, roles).items())[
+                rng.integers(len(latest_pids(proc, roles)))]
+            os.kill(pid, signal.SIGKILL)
+            killed.append(task)
+    finally:
+        code = finish(proc, timeout=300)
+    text = log(proc)
+    assert code == 0, (killed, text[-3000:])
+    resumed = result(run)
+    restarts = re.findall(r"(\w+:\d) was killed by SIGKILL; restarting the job \((\d+)/10\)",
+                          text)
+    if ps:
+        # A killed worker is restarted alone; the chief or the ps: the job.
+        alone = [t for t in killed if t.startswith("worker")]
+        assert len(restarts) == len(killed) - len(alone), (killed, restarts)
+        for task in alone:
+            assert f"{task} exited with code -9; restarting it" in text, text[-3000:]
+        # At least once: TF reruns a step whose worker died after it applied
+        # its update; a backup is a snapshot taken while updates go on.
+        assert 0 <= resumed["version"] - EPOCHS * STEPS <= 4 * len(killed), \
+            (resumed["version"], killed)
+    else:
+        assert [t for t, _ in restarts] == killed, (killed, restarts)
+        assert_same_run(resumed, result(tmp_path / "reference"))
+    history = full_history(resumed)
+    assert len(history["loss"]) == EPOCHS
+
+
+@pytest.mark.multiprocess
+def test_sigkill_during_backup_writes_leaves_a_whole_backup_in_force(
+        tmp_path, one_device_reference):
+    """A backup after every step (much of the time is spent writing), the
+    process SIGKILLed at random moments four times: the backup in force is
+    always whole (no damaged-file warning) and the run finished from it
+    equals an uninterrupted one."""
+    from keras_dist.callbacks import BackupAndRestore
+
+    rng = np.random.default_rng(7)
+    torn = 0
+    for _ in range(4):
+        before = progress(tmp_path)
+        proc = train(tmp_path, save_freq=1)
+        try:
+            deadline = time.monotonic() + 60
+            while progress(tmp_path) <= before and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0.1, 0.6))
+            os.killpg(proc.pid, signal.SIGKILL)
+        finally:
+            finish(proc, 30)
+        torn += any(n.startswith(".writing-") for n in os.listdir(tmp_path / "backup"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a damaged backup in force would warn
+            latest = BackupAndRestore(tmp_path / "backup").latest()
+        assert latest is not None
+    print(f"{torn} of 4 kills left a backup half-written")
+    assert finish(train(tmp_path, save_freq=1)) == 0
+    assert_same_run(result(tmp_path), one_device_reference)
+
+
+@pytest.mark.multiprocess
+def test_a_multiworker_backup_resumes_in_one_process(tmp_path, one_device_reference):
+    """Written by 2 MultiWorkerMirrored workers, resumed by one process on
+    one device: the same global batches from the same position, so the same
+    run up to the all-reduce's float reassociation."""
+    proc = launch(tmp_path, ps=0, max_restarts=0)
+    try:
+        wait_for(tmp_path, 1, 5, proc)
+        for pid in pids(proc, ("worker",), 2):
+            os.kill(pid, signal.SIGTERM)
+    finally:
+        code = finish(proc)
+    assert code == 75, log(proc)[-3000:]  # the job's exit says: preempted
+    assert finish(train(tmp_path)) == 0
+    resumed = result(tmp_path)
+    assert resumed["restored_epoch"] == 1 and resumed["restored_step"] >= 5
+    assert_same_run(resumed, one_device_reference, atol=1e-5)
+
+
+# ------------------------------------------------------------ bad input
+def _tiny(tmp_path, **backup_kwargs):
+    import keras
+
+    import keras_dist as kd
+
+    def build():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+        return model
+
+    x = np.random.default_rng(0).normal(size=(64, 4))
+    y = x.sum(axis=1, keepdims=True)
+    return lambda **fit: kd.fit(build, x, y, batch_size=8, verbose=0, callbacks=[
+        kd.callbacks.BackupAndRestore(tmp_path / "backup", **backup_kwargs)], **fit)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(save_freq=0), r"`save_freq` must be \"epoch\" or an integer number of steps >= 1\. "
+                        r"Received: save_freq=0"),
+    (dict(save_freq="hour"), r"Received: save_freq='hour'"),
+    (dict(save_freq=2.5), r"Received: save_freq=2\.5"),
+    (dict(grace_period=0), r"`grace_period` must be a number of seconds > 0 .*Received: "
+                           r"grace_period=0"),
+    (dict(grace_period=-30), r"Received: grace_period=-30"),
+    (dict(keep=0), r"`keep` must be an integer >= 1"),
+])
+def test_bad_backup_settings_are_refused_naming_the_value(tmp_path, kwargs, message):
+    from keras_dist.callbacks import BackupAndRestore
+
+    with pytest.raises(ValueError, match=message):
+        BackupAndRestore(tmp_path, **kwargs)
+
+
+def test_a_damaged_newest_backup_falls_back_to_the_previous_one_naming_the_file(tmp_path):
+    from keras_dist.callbacks import BackupAndRestore
+
+    fit = _tiny(tmp_path, save_freq=3, delete_checkpoint=False)
+    fit(epochs=2)  # 8 steps an epoch: backups at steps 3, 6 | 1, 4, 7 (keep=2)
+    backup = BackupAndRestore(tmp_path / "backup")
+    newest = backup.latest()
+    assert (newest["epoch"], newest["step"]) == (1, 7)
+    weights = os.path.join(newest["path"], "checkpoint.weights.h5")
+    with open(weights, "r+b") as f:  # a torn write: half the file
+        f.truncate(os.path.getsize(weights) // 2)
+    with pytest.warns(UserWarning, match=re.escape(
+            f"skipping the damaged backup {newest['path']!r}: {weights} is damaged")):
+        previous = backup.latest()
+    assert (previous["epoch"], previous["step"]) == (1, 4)
+    restorer = BackupAndRestore(tmp_path / "backup", delete_checkpoint=False)
+    with pytest.warns(UserWarning, match="skipping the damaged backup"):
+        history = _refit(tmp_path, restorer)
+    assert (restorer.restored_epoch, restorer.restored_step) == (1, 4)
+    assert history.epoch == [1]
+
+
+def _refit(tmp_path, restorer):
+    import keras
+
+    import keras_dist as kd
+
+    def build():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+        return model
+
+    x = np.random.default_rng(0).normal(size=(64, 4))
+    return kd.fit(build, x, x.sum(axis=1, keepdims=True), batch_size=8, epochs=2, verbose=0,
+                  callbacks=[restorer])
+
+
+def test_mid_epoch_backups_under_keras_own_fit_are_refused_with_the_fix(tmp_path):
+    import keras
+
+    from keras_dist.callbacks import BackupAndRestore
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    with pytest.raises(ValueError, match=r"save_freq=5\): backups within an epoch need "
+                                         r"keras_dist's training loop.*keras_dist\.fit"):
+        model.fit(np.ones((8, 4)), np.ones((8, 1)), verbose=0,
+                  callbacks=[BackupAndRestore(tmp_path, save_freq=5)])
+
+
+@pytest.mark.multiprocess
+def test_a_backup_dir_in_use_by_another_running_job_is_refused(tmp_path):
+    proc = train(tmp_path, epochs=50)  # holds tmp_path/backup while it trains
+    try:
+        wait_for(tmp_path, 0, 1, proc)
+        fit = _tiny(tmp_path)
+        with pytest.raises(ValueError, match=rf"backup_dir='{re.escape(str(tmp_path))}/backup' "
+                                             rf"is in use by another running job \(pid "
+                                             rf"{proc.pid} on "):
+            fit(epochs=1)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    # The lock dies with its process: the directory is free again.
+    fit(epochs=1)

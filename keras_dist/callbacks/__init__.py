@@ -17,7 +17,7 @@ Example:
 """
 
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
-from keras_dist.callbacks.backup import BackupAndRestore
+from keras_dist.callbacks.backup import PREEMPTED_EXIT_CODE, BackupAndRestore
 from keras_dist.callbacks.base import ReplicaCallback, ReplicaStep
 from keras_dist.callbacks.per_replica import PerReplicaMetrics
 from keras_dist.callbacks.straggler import StragglerDetector, StragglerError

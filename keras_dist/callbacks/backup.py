@@ -330,8 +330,10 @@ class BackupAndRestore(keras.callbacks.Callback):
             version = None if counter is None else counter.value
             self.model.save_weights(os.path.join(staging, _WEIGHTS))
             files = [_WEIGHTS]
+            executor = self.model.__dict__.get("_kd_executor")
             if step:
-                executor = self.model.__dict__.get("_kd_executor")
+                if executor is not None:
+                    step = executor.position(step, version)
                 values = (executor.metric_state() if executor is not None
                           else driver.metric_state(self.model))
                 np.savez(os.path.join(staging, _METRICS),
