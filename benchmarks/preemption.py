@@ -81,13 +81,26 @@ def run_task():
     (x, y), _ = load_digits()
     epoch = [0]
 
+    cluster = kd.ClusterConfig.from_env()
+    chief = cluster is None or cluster.is_chief
+
     def note(batch, logs):
+        if not chief:
+            return
         with open(_PROGRESS.value + ".tmp", "w") as f:
             f.write(f"{epoch[0] * _STEPS.value + batch + 1} {time.time():.6f}")
         os.replace(_PROGRESS.value + ".tmp", _PROGRESS.value)
 
-    callbacks = [keras.callbacks.LambdaCallback(
-        on_epoch_begin=lambda e, logs: epoch.__setitem__(0, e), on_train_batch_end=note)]
+    class Progress(keras.callbacks.Callback):
+        _kd_ignores_batch_logs = True  # reads no batch logs: none are computed for it
+
+        def on_epoch_begin(self, e, logs=None):
+            epoch[0] = e
+
+        def on_train_batch_end(self, batch, logs=None):
+            note(batch, logs)
+
+    callbacks = [Progress()]
     if _SAVE_FREQ.value:
         callbacks.insert(0, kd.callbacks.BackupAndRestore(_BACKUP.value,
                                                           save_freq=_SAVE_FREQ.value))

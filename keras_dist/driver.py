@@ -341,6 +341,8 @@ def reads_batch_logs(callbacks):
     plain = (keras.callbacks.Callback.on_train_batch_end,
              replica_cbs.ReplicaCallback.on_train_batch_end)
     for cb in getattr(callbacks, "callbacks", callbacks) or ():
+        if getattr(cb, "_kd_ignores_batch_logs", False):  # counts steps, reads no logs
+            continue
         if isinstance(cb, keras.callbacks.ProgbarLogger):
             if getattr(cb, "verbose", 1) == 1:
                 return True

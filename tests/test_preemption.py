@@ -365,7 +365,7 @@ def test_a_damaged_newest_backup_falls_back_to_the_previous_one_naming_the_file(
     backup = BackupAndRestore(tmp_path / "backup")
     newest = backup.latest()
     assert (newest["epoch"], newest["step"]) == (1, 7)
-    weights = os.path.join(newest["path"], "checkpoint.weights.h5")
+    weights = os.path.join(newest["path"], "variables.npz")
     with open(weights, "r+b") as f:  # a torn write: half the file
         f.truncate(os.path.getsize(weights) // 2)
     with pytest.warns(UserWarning, match=re.escape(

@@ -37,7 +37,8 @@ this many steps (one small all-reduce): one worker told to stop makes every
 worker save at the same step (saving reads the mirrored weights)."""
 
 _POINTER = "latest.json"
-_WEIGHTS = "checkpoint.weights.h5"
+_WEIGHTS = "checkpoint.weights.h5"  # what keras_dist's first backups held
+_ARRAYS = "variables.npz"
 _METRICS = "metrics.npz"
 _STATE = "state.json"
 _LOCK = ".lock"
@@ -49,12 +50,15 @@ class BackupAndRestore(keras.callbacks.Callback):
     """Backs training up as it goes; a rerun of the same command resumes it
     at the step the backup was taken, and a preempted task saves and exits.
 
-    Each backup holds the model's weights, the optimizer's state, the epoch
-    and the step within it, the metrics' state of that epoch so far and
-    (asynchronous training) the parameter version. It is written into a new
-    directory under `backup_dir` with a checksum of every file, and only then
-    does `backup_dir/latest.json` point at it (an atomic rename): a crash at
-    any moment leaves a whole backup in force. The previous backup is kept
+    Each backup holds the model's variables (weights, non-trainable state,
+    seed generators), the optimizer's state, the epoch and the step within
+    it, the metrics' state of that epoch so far and (asynchronous training)
+    the parameter version. The training thread reads it all at once (one
+    round trip under parameter servers); a thread of its own writes it into
+    a new directory under `backup_dir` with a checksum of every file while
+    training goes on (an epoch's backup is in force before the next epoch
+    starts), and only then does `backup_dir/latest.json` point at it (an
+    atomic rename): a crash at any moment leaves a whole backup in force. The previous backup is kept
     (`keep=2`) and a newest one found damaged when restoring (a truncated
     or corrupted file) is skipped for the one before, with one warning naming
     the file.
@@ -133,6 +137,8 @@ class BackupAndRestore(keras.callbacks.Callback):
     (1, 2, [1, 2])
     """
 
+    _kd_ignores_batch_logs = True  # its batch hook counts steps (driver.reads_batch_logs)
+
     def __init__(self, backup_dir, save_freq="epoch", delete_checkpoint=True, keep=2,
                  save_on_preemption=True, grace_period=30.0):
         super().__init__()
@@ -172,6 +178,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._workers = 1 if cluster is None else (
             len(cluster.cluster.get("worker", ())) + len(cluster.cluster.get("chief", ())))
         self._lock = None
+        self._writer = None  # the thread writing the last backup
+        self._write_error = None
+        self._reader = None  # (variables' ids, the function reading them all)
         self._watchdog = None
         self._signalled_exit = False  # exiting for a preemption: the watchdog stays
         self._previous_handlers = {}
@@ -255,7 +264,11 @@ class BackupAndRestore(keras.callbacks.Callback):
                 warnings.simplefilter("always")
                 if model.optimizer is not None and not model.optimizer.built:
                     model.optimizer.build(model.trainable_variables)
-                model.load_weights(os.path.join(checkpoint["path"], _WEIGHTS))
+                path = os.path.join(checkpoint["path"], _ARRAYS)
+                if os.path.exists(path):
+                    _assign(_state_variables(model), path)
+                else:  # a backup of keras_dist <= 0.x: Keras' weights file
+                    model.load_weights(os.path.join(checkpoint["path"], _WEIGHTS))
             skipped = [str(w.message) for w in caught if "Skipping variable loading"
                        in str(w.message)]
             if skipped:  # Keras only warns, and the optimizer would start afresh
@@ -277,8 +290,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         if own_loop:
             metrics = []
             if step:
-                with np.load(os.path.join(checkpoint["path"], _METRICS)) as saved:
-                    metrics = [saved[f"m{i}"] for i in range(len(saved.files))]
+                metrics = _read_arrays(os.path.join(checkpoint["path"], _METRICS))
             model.__dict__["_kd_resume"] = {"step": step, "metrics": metrics}
         if self._chief:
             logger.info("keras_dist: resuming from %s at epoch %d, step %d",
@@ -311,41 +323,77 @@ class BackupAndRestore(keras.callbacks.Callback):
         for name, value in (logs or {}).items():
             if np.ndim(value) == 0:
                 self._history.setdefault(name, []).append(float(value))
-        if self.save_freq == "epoch":
-            self.save(epoch + 1)
+        if self.save_freq == "epoch":  # rare enough to be in force before going on
+            self.save(epoch + 1, wait=True)
         if self.save_on_preemption and self._stop_agreed(True):
             self._preempted(epoch + 1, 0)
 
-    def save(self, epoch, step=0):
+    def save(self, epoch, step=0, wait=False):
         """Writes a backup that resumes at `step` of 0-based `epoch`, then puts
-        it in force."""
+        it in force.
+
+        The training thread takes a snapshot (every variable of the model
+        and the optimizer read at once, the parameter version first, the
+        metrics' state); a thread of its own writes it and puts it in force
+        while training goes on, unless `wait`. A save waits for the one
+        before to be in force, and raises the error it met, if any."""
         self._since = 0
-        os.makedirs(self.backup_dir, exist_ok=True)
-        parent = self.backup_dir if self._chief else None
-        staging = tempfile.mkdtemp(prefix=".writing-", dir=parent)
+        self.wait_for_writes()
+        counter = getattr(self.model, "version_counter", None)
+        # The version before the weights: under parameter servers a backup
+        # is a snapshot taken while updates go on.
+        version = None if counter is None else counter.value
+        arrays = self._read(self.model)
+        executor = self.model.__dict__.get("_kd_executor")
+        metrics = None
+        if step:
+            if executor is not None:
+                step = executor.position(step, version)
+            # Collective reads under MultiWorkerMirrored: every worker.
+            metrics = (executor.metric_state() if executor is not None
+                       else driver.metric_state(self.model))
+        if not self._chief:
+            return  # only the chief writes; the others took part in the reads
+        state = {"epoch": int(epoch), "step": int(step), "version": version,
+                 "history": {k: list(v) for k, v in self._history.items()},
+                 "saved_at": time.time()}
+        if wait:
+            self._write(state, arrays, metrics)
+            return
+        self._writer = threading.Thread(target=self._write_noting_errors,
+                                        args=(state, arrays, metrics),
+                                        name="keras_dist_backup_writer", daemon=True)
+        self._writer.start()
+
+    def wait_for_writes(self):
+        """Waits until the backup being written is in force; raises the error
+        writing it met, if any (a full disk, a lost mount)."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.join()
+        error, self._write_error = self._write_error, None
+        if error is not None:
+            raise error
+
+    def _write_noting_errors(self, *args):
         try:
-            counter = getattr(self.model, "version_counter", None)
-            # The version before the weights: under parameter servers a
-            # backup is a snapshot taken while updates go on.
-            version = None if counter is None else counter.value
-            self.model.save_weights(os.path.join(staging, _WEIGHTS))
-            files = [_WEIGHTS]
-            executor = self.model.__dict__.get("_kd_executor")
-            if step:
-                if executor is not None:
-                    step = executor.position(step, version)
-                values = (executor.metric_state() if executor is not None
-                          else driver.metric_state(self.model))
-                np.savez(os.path.join(staging, _METRICS),
-                         **{f"m{i}": v for i, v in enumerate(values)})
+            self._write(*args)
+        except BaseException as error:  # noqa: BLE001 (raised in the training thread)
+            self._write_error = error
+
+    def _write(self, state, arrays, metrics):
+        epoch, step = state["epoch"], state["step"]
+        os.makedirs(self.backup_dir, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=".writing-", dir=self.backup_dir)
+        try:
+            files = [_ARRAYS]
+            _write_arrays(os.path.join(staging, _ARRAYS), arrays)
+            if metrics is not None:
+                _write_arrays(os.path.join(staging, _METRICS), metrics)
                 files.append(_METRICS)
-            state = {"epoch": int(epoch), "step": int(step), "version": version,
-                     "history": self._history, "saved_at": time.time(),
-                     "files": {name: _digest(os.path.join(staging, name)) for name in files}}
+            state["files"] = {name: _digest(os.path.join(staging, name)) for name in files}
             _write_json(os.path.join(staging, _STATE), state)
             _fsync_dir(staging)
-            if not self._chief:
-                return
             name = f"{_PREFIX}{epoch:06d}-{step:09d}"
             final = os.path.join(self.backup_dir, name)
             if os.path.exists(final):  # the same position again, after a restore
@@ -361,6 +409,18 @@ class BackupAndRestore(keras.callbacks.Callback):
             if staging is not None:
                 shutil.rmtree(staging, ignore_errors=True)
 
+    def _read(self, model):
+        """Every variable a backup holds, read in one call (under parameter
+        servers one round trip, not one per variable)."""
+        variables = _state_variables(model)
+        key = tuple(id(v) for v in variables)
+        if self._reader is None or self._reader[0] != key:
+            import tensorflow as tf
+
+            tensors = [getattr(v, "value", v) for v in variables]
+            self._reader = (key, tf.function(lambda: [tf.identity(t) for t in tensors]))
+        return [np.asarray(v) for v in self._reader[1]()]
+
     def _prune(self, keep_name):
         names = sorted((n for n in os.listdir(self.backup_dir)
                         if n.startswith(_PREFIX) or n.startswith("epoch-")), key=_position_of)
@@ -374,6 +434,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         self.model._initial_epoch = None  # Keras would reuse it in the next fit
         self._restore_signals()
+        self.wait_for_writes()
         if self.delete_checkpoint and self._chief:
             shutil.rmtree(self.backup_dir, ignore_errors=True)
         self._release_lock()
@@ -463,7 +524,8 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _preempted(self, epoch, step):
         self._signalled_exit = True
-        self.save(epoch, step=step)
+        self.save(epoch, step=step, wait=True)
+        self.wait_for_writes()
         if self._chief:
             print(f"keras_dist: {self._signalled}: backed up at epoch {epoch + 1}, step "
                   f"{step} in {self.backup_dir}; exiting with code {PREEMPTED_EXIT_CODE} "
@@ -514,6 +576,43 @@ class BackupAndRestore(keras.callbacks.Callback):
 
 
 _HELD = {}  # lock path -> open file, for the locks this process holds
+
+
+def _state_variables(model):
+    """What a backup holds, in a fixed order: the model's variables (weights,
+    non-trainable state, seed generators') and the optimizer's."""
+    variables = list(model.variables)
+    if model.optimizer is not None:
+        variables += list(model.optimizer.variables)
+    return variables
+
+
+def _write_arrays(path, arrays):
+    with open(path, "wb") as f:
+        np.savez(f, **{f"a{i}": np.asarray(a) for i, a in enumerate(arrays)})
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read_arrays(path):
+    with np.load(path, allow_pickle=False) as saved:
+        return [saved[f"a{i}"] for i in range(len(saved.files))]
+
+
+def _assign(variables, path):
+    """Assigns the arrays saved at `path` to `variables`, refusing any
+    mismatch (count, shape) before assigning anything."""
+    arrays = _read_arrays(path)
+    if len(arrays) != len(variables):
+        raise ValueError(f"it holds {len(arrays)} variables, this model and its optimizer "
+                         f"have {len(variables)}")
+    for i, (variable, array) in enumerate(zip(variables, arrays)):
+        if tuple(variable.shape) != array.shape:
+            raise ValueError(f"variable {i} ({getattr(variable, 'path', variable.name)}) "
+                             f"has shape {tuple(variable.shape)} here and {array.shape} "
+                             "in the backup")
+    for variable, array in zip(variables, arrays):
+        variable.assign(array)
 
 
 def _tell_launcher(path):
