@@ -79,6 +79,10 @@ def run_task():
         return model
 
     (x, y), _ = load_digits()
+    # A repeating dataset read `--steps` batches an epoch (a resumed job
+    # skips to its position in it).
+    data = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=0).repeat().batch(
+        _BATCH)
     epoch = [0]
 
     cluster = kd.ClusterConfig.from_env()
@@ -104,8 +108,8 @@ def run_task():
     if _SAVE_FREQ.value:
         callbacks.insert(0, kd.callbacks.BackupAndRestore(_BACKUP.value,
                                                           save_freq=_SAVE_FREQ.value))
-    kd.fit(build, x, y, strategy=strategy, epochs=_EPOCHS.value, steps_per_epoch=_STEPS.value,
-           batch_size=_BATCH, verbose=0, callbacks=callbacks)
+    kd.fit(build, data, strategy=strategy, epochs=_EPOCHS.value, steps_per_epoch=_STEPS.value,
+           verbose=0, callbacks=callbacks)
 
 
 def progress(path):

@@ -19,7 +19,6 @@ import keras
 import numpy as np
 
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
-from keras_dist import driver
 from keras_dist.cluster import ClusterConfig
 
 logger = logging.getLogger("keras_dist")
@@ -343,15 +342,21 @@ class BackupAndRestore(keras.callbacks.Callback):
         # The version before the weights: under parameter servers a backup
         # is a snapshot taken while updates go on.
         version = None if counter is None else counter.value
-        arrays = self._read(self.model)
         executor = self.model.__dict__.get("_kd_executor")
+        # The metrics' state, mid-epoch: kept by the chief under parameter
+        # servers, else read with the rest (reads that sum the replicas'
+        # state: collectives under MultiWorkerMirrored, so every worker).
+        own_metrics = executor is not None and executor.parameter_server
+        arrays = self._read(self.model, metrics=bool(step) and not own_metrics)
         metrics = None
         if step:
             if executor is not None:
                 step = executor.position(step, version)
-            # Collective reads under MultiWorkerMirrored: every worker.
-            metrics = (executor.metric_state() if executor is not None
-                       else driver.metric_state(self.model))
+            if own_metrics:
+                metrics = executor.metric_state()
+            else:
+                count = len(self.model.metrics_variables)
+                arrays, metrics = arrays[:len(arrays) - count], arrays[len(arrays) - count:]
         if not self._chief:
             return  # only the chief writes; the others took part in the reads
         state = {"epoch": int(epoch), "step": int(step), "version": version,
@@ -409,10 +414,14 @@ class BackupAndRestore(keras.callbacks.Callback):
             if staging is not None:
                 shutil.rmtree(staging, ignore_errors=True)
 
-    def _read(self, model):
-        """Every variable a backup holds, read in one call (under parameter
-        servers one round trip, not one per variable)."""
+    def _read(self, model, metrics=False):
+        """Every variable a backup holds (and with `metrics` the metrics'
+        state after them), read in one call: under parameter servers one
+        round trip, not one per variable; under MultiWorkerMirrored the
+        metrics' sums in one go, not an all-reduce per variable."""
         variables = _state_variables(model)
+        if metrics:
+            variables += list(model.metrics_variables)
         key = tuple(id(v) for v in variables)
         if self._reader is None or self._reader[0] != key:
             import tensorflow as tf
