@@ -30,6 +30,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -186,6 +187,7 @@ def run_job(strategy, period, backups):
             failure["lost_steps"] = failure["at_step"] - position
     for failure in failures:
         failure.pop("time")
+    shutil.rmtree(work, ignore_errors=True)
     return {"wall": wall, "failures": failures,
             "job_restarts": len(re.findall(r"restarting the job", text)),
             "worker_restarts": len(re.findall(r"restarting it \(", text))}

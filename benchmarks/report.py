@@ -200,6 +200,38 @@ def stalled_worker(lines):
               "for the stopped worker's step).\n"]
 
 
+def preemption(lines):
+    data = section(lines, "preemption",
+                   "## Failures and restarts: goodput (`preemption.py`)")
+    if data is None:
+        return
+    lines += [
+        f"Digits MLP, {data['epochs']} epochs of {data['steps']} steps on a local "
+        "`keras-dist-run --workers 2 [--ps 1] --max-restarts 100` job; a random training "
+        "task (a worker; with parameter servers also the chief or the ps) SIGKILLed every "
+        f"T seconds; backups every {data['save_freq']} steps. Goodput: the job's steps per "
+        "second of wall time, launch to exit, restarts included, against the same job "
+        "uninterrupted with backups (`steady`) and without (`plain`). Lost work per "
+        "failure: steps between the backup resumed from and where the job stood, and "
+        "seconds until training was back there (`python benchmarks/preemption.py`).\n",
+        "| strategy | side | wall | goodput vs steady | vs plain | failures | job "
+        "restarts | worker restarts | lost steps (median, max) | back after (median) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for strategy, result in data["strategies"].items():
+        for side, row in result["summary"].items():
+            lost = ("-" if row["lost_steps_median"] is None else
+                    f"{row['lost_steps_median']:g}, {row['lost_steps_max']:g}")
+            back = ("-" if row["lost_seconds_median"] is None
+                    else f"{row['lost_seconds_median']:.1f} s")
+            lines.append(f"| {strategy} | {side} | {row['wall_s']:.0f} s | "
+                         f"{row['goodput_vs_steady']:.3f} | {row['goodput_vs_plain']:.3f} | "
+                         f"{row['failures']} | {row['job_restarts']} | "
+                         f"{row['worker_restarts']} | {lost} | {back} |")
+    lines += ["", "Targets: goodput >= 0.8 at T = 60 s; lost work <= one backup interval "
+              f"({data['save_freq']} steps) per failure.\n"]
+
+
 def staleness_convergence(lines):
     data = section(lines, "staleness_convergence", "## Accuracy under simulated staleness (`staleness_convergence.py`)")
     if data is None:
@@ -369,6 +401,7 @@ def main():
     ps_throughput(lines)
     ps_startup(lines)
     stalled_worker(lines)
+    preemption(lines)
     ps_sharded(lines)
     staleness_convergence(lines)
     simulator_validation(lines)

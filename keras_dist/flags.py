@@ -61,12 +61,13 @@ GROUPS = {
     "straggler": ("straggler_threshold", "straggler_window", "straggler_action"),
     "metrics": ("tensorboard_dir", "per_replica_metrics"),
     "sharding": ("shard_min_bytes",),
+    "backup": ("backup_dir", "save_freq", "grace_period"),
 }
 """Group name (a `define_flags` switch) -> the flags it defines."""
 
 
 def define_flags(flag_values=FLAGS, *, strategy=True, nonfinite_updates=True, staleness=True,
-                 local_steps=True, straggler=True, metrics=True, sharding=True):
+                 local_steps=True, straggler=True, metrics=True, sharding=True, backup=True):
     """Defines keras_dist's flags (see `GROUPS`) on `flag_values`.
 
     Each argument but the first switches one group on or off. The flags
@@ -101,6 +102,10 @@ def define_flags(flag_values=FLAGS, *, strategy=True, nonfinite_updates=True, st
             `--per_replica_metrics` (the per-worker table at the end). Not
             `--log_dir`: absl's logging module defines that one.
         sharding: Boolean. `--shard_min_bytes` (unset: no sharding).
+        backup: Boolean. `--backup_dir` (unset: no backups),
+            `--save_freq` (`epoch` or a number of steps) and
+            `--grace_period` (seconds from SIGTERM to SIGKILL): a
+            `kd.callbacks.BackupAndRestore`, see `fit_kwargs`.
 
     Returns:
         List of the names of the flags of the groups switched on.
@@ -124,7 +129,7 @@ def define_flags(flag_values=FLAGS, *, strategy=True, nonfinite_updates=True, st
     """
     switches = dict(strategy=strategy, nonfinite_updates=nonfinite_updates,
                     staleness=staleness, local_steps=local_steps, straggler=straggler,
-                    metrics=metrics, sharding=sharding)
+                    metrics=metrics, sharding=sharding, backup=backup)
     caller = inspect.currentframe().f_back.f_globals.get("__name__", "")
     caller = sys.argv[0] if caller == "__main__" else caller  # absl's name for the script
     names = []
@@ -234,8 +239,10 @@ def fit_kwargs(flag_values=FLAGS, *, strategy=None, cluster=None, callbacks=None
       given, a `MinSizePartitioner` with one shard at most per `ps` task
       (`strategy_from_flags` builds it into the strategy otherwise);
     - `cluster`: when given;
-    - `callbacks`, always a list: `StragglerDetector` (`--straggler_threshold`)
-      and `PerReplicaMetrics` (`--per_replica_metrics` or `--tensorboard_dir`) first,
+    - `callbacks`, always a list: `kd.callbacks.BackupAndRestore`
+      (`--backup_dir`, `--save_freq`, `--grace_period`), `StragglerDetector`
+      (`--straggler_threshold`) and `PerReplicaMetrics`
+      (`--per_replica_metrics` or `--tensorboard_dir`) first,
       so your callbacks see their logs under Keras' own loop too; then your
       `callbacks`; then `keras.callbacks.TensorBoard(--tensorboard_dir)`, on the
       chief only (other workers' numbers are the same), last so that it
@@ -367,6 +374,12 @@ def _callbacks(flag_values, cluster, own):
     from keras_dist import callbacks as kd_callbacks
 
     first, last = [], []
+    backup_dir = _value(flag_values, "backup_dir", None)
+    if backup_dir:  # first: what it restores is there for every other callback
+        save_freq = flag_values.save_freq
+        first.append(kd_callbacks.BackupAndRestore(
+            backup_dir, save_freq=save_freq if save_freq == "epoch" else int(save_freq),
+            grace_period=flag_values.grace_period))
     threshold = _value(flag_values, "straggler_threshold", None)
     if threshold:
         first.append(kd_callbacks.StragglerDetector(
@@ -547,6 +560,28 @@ def _define_sharding(fv):
               "must be a number of bytes >= 1, or unset.")
 
 
+def _define_backup(fv):
+    from keras_dist.callbacks import BackupAndRestore
+
+    absl_flags.DEFINE_string(
+        "backup_dir", None, "Add a BackupAndRestore: back training up there (a directory "
+        "every task sees) and resume from it when rerun or restarted; save and exit with "
+        "code 75 on SIGTERM. Unset: no backups.", flag_values=fv)
+    absl_flags.DEFINE_string(
+        "save_freq", "epoch", "BackupAndRestore: 'epoch', or a backup every this many steps.",
+        flag_values=fv)
+    absl_flags.DEFINE_float(
+        "grace_period", _signature_default(BackupAndRestore, "grace_period"),
+        "BackupAndRestore: seconds the scheduler leaves between SIGTERM and SIGKILL "
+        "(Kubernetes' terminationGracePeriodSeconds).", flag_values=fv)
+    _validate(fv, "save_freq", lambda v: v == "epoch" or (v.isdigit() and int(v) >= 1),
+              "must be 'epoch' or an integer number of steps >= 1.")
+    _validate(fv, "grace_period", lambda v: v > 0, "must be a number of seconds > 0.")
+    _needs(fv, "backup_dir", ["save_freq", "grace_period"], bool,
+           "BackupAndRestore settings, but no backups are made. Pass --backup_dir too, or "
+           "leave them out.")
+
+
 _DEFINE = {
     "strategy": _define_strategy,
     "nonfinite_updates": _define_nonfinite_updates,
@@ -555,4 +590,5 @@ _DEFINE = {
     "straggler": _define_straggler,
     "metrics": _define_metrics,
     "sharding": _define_sharding,
+    "backup": _define_backup,
 }

@@ -164,6 +164,10 @@ def tfjob(command, *, workers, ps=0, evaluator=False, image, name="keras-dist",
                   max_restarts, _API)
 
 
+SLURM_SIGNAL_SECONDS = 60
+"""Seconds before the time limit SLURM sends the tasks SIGTERM (`--signal`)."""
+
+
 def slurm(command, *, workers, ps=0, evaluator=False, name="keras-dist",
           time="01:00:00", partition=None, tasks_per_node=1, cpus_per_task=None,
           gpus_per_task=None):
@@ -232,12 +236,18 @@ def slurm(command, *, workers, ps=0, evaluator=False, name="keras-dist",
     # stopped: the chief's lines (prefix "0: ") tell how training went.
     # Ports start at 8888 on each node and have no authentication: keep the nodes on
     # a private network (see docs/security.md).
+    # Preemption: the tasks get SIGTERM 60 s before the time limit; with
+    # kd.callbacks.BackupAndRestore they back up and exit 75. --requeue: SLURM
+    # requeues the job when it preempts it or a node fails, and the rerun resumes
+    # from the newest backup (docs/fault-tolerance.md).
     #SBATCH --job-name=digits
     #SBATCH --ntasks=4
     #SBATCH --nodes=4
     #SBATCH --ntasks-per-node=1
     #SBATCH --time=01:00:00
     #SBATCH --output=%x-%j.out
+    #SBATCH --signal=TERM@60
+    #SBATCH --requeue
     <BLANKLINE>
     set -euo pipefail
     # keras-dist reads TF_CONFIG before SLURM: one left in the environment
@@ -510,7 +520,10 @@ def _slurm(command, workers, ps, evaluator, name, time, partition, tasks_per_nod
     sbatch = {"job-name": name, "ntasks": tasks,
               "nodes": math.ceil(tasks / per_node), "ntasks-per-node": per_node,
               "time": time, "output": "%x-%j.out", "partition": partition,
-              "cpus-per-task": cpus_per_task, "gpus-per-task": gpus_per_task}
+              "cpus-per-task": cpus_per_task, "gpus-per-task": gpus_per_task,
+              # SIGTERM to the tasks a minute before the time limit: with a
+              # kd.callbacks.BackupAndRestore they back up and exit 75.
+              "signal": f"TERM@{SLURM_SIGNAL_SECONDS}"}
     srun = ["srun", f"--ntasks={tasks}", "--distribution=block",
             "--kill-on-bad-exit=1"]
     if ps:
@@ -544,8 +557,14 @@ def _slurm(command, workers, ps, evaluator, name, time, partition, tasks_per_nod
     lines += _comment(
         f"Ports start at {SLURM_PORT} on each node and have no authentication: "
         "keep the nodes on a private network (see docs/security.md).")
+    lines += _comment(
+        f"Preemption: the tasks get SIGTERM {SLURM_SIGNAL_SECONDS} s before the time "
+        "limit; with kd.callbacks.BackupAndRestore they back up and exit 75. "
+        "--requeue: SLURM requeues the job when it preempts it or a node fails, and the "
+        "rerun resumes from the newest backup (docs/fault-tolerance.md).")
     lines += [f"#SBATCH --{key}={value}" for key, value in sbatch.items()
               if value is not None]
+    lines.append("#SBATCH --requeue")
     lines += [
         "",
         "set -euo pipefail",

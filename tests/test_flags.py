@@ -8,6 +8,7 @@ under `kd.fit(..., **fit_kwargs(fv))`.
 import ast
 import inspect
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -74,7 +75,8 @@ def test_strategy_choices_come_from_strategy_kind():
 
 def test_define_flags_returns_group_flags_and_switches_groups_off():
     fv = flags.FlagValues()
-    names = kd_flags.define_flags(fv, strategy=False, staleness=False, sharding=False)
+    names = kd_flags.define_flags(fv, strategy=False, staleness=False, sharding=False,
+                                  backup=False)
     assert names == list(kd_flags.GROUPS["nonfinite_updates"] + kd_flags.GROUPS["local_steps"]
                          + kd_flags.GROUPS["straggler"] + kd_flags.GROUPS["metrics"])
     assert sorted(fv) == sorted(names)
@@ -408,3 +410,33 @@ def test_fit_with_flags_end_to_end(tmp_path):
     assert "replica0/updates" in seen[0] and history.history["replica0/updates"] == [8, 8]
     # TensorBoard: Keras' run and the per-replica run.
     assert os.listdir(tmp_path / "train") and os.listdir(tmp_path / "replica0")
+
+
+def test_backup_flags_add_a_backup_callback_first(tmp_path):
+    from keras_dist.callbacks import BackupAndRestore
+
+    fv = flags.FlagValues()
+    kd_flags.define_flags(fv)
+    fv(["train.py", f"--backup_dir={tmp_path}", "--save_freq=50", "--grace_period=25",
+        "--per_replica_metrics"])
+    callbacks = kd_flags.fit_kwargs(fv)["callbacks"]
+    assert isinstance(callbacks[0], BackupAndRestore)
+    assert (callbacks[0].backup_dir, callbacks[0].save_freq, callbacks[0].grace_period) == (
+        str(tmp_path), 50, 25.0)
+    fv = flags.FlagValues()
+    kd_flags.define_flags(fv)
+    fv(["train.py", f"--backup_dir={tmp_path}"])
+    assert kd_flags.fit_kwargs(fv)["callbacks"][0].save_freq == "epoch"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--backup_dir=b", "--save_freq=0"], "--save_freq=0: must be 'epoch' or an integer"),
+    (["--backup_dir=b", "--save_freq=hour"], "must be 'epoch' or an integer number of steps"),
+    (["--backup_dir=b", "--grace_period=0"], "--grace_period=0.0: must be a number of seconds"),
+    (["--save_freq=50"], "--save_freq: BackupAndRestore settings, but no backups are made"),
+])
+def test_bad_backup_flags_fail_at_parsing(argv, message):
+    fv = flags.FlagValues()
+    kd_flags.define_flags(fv)
+    with pytest.raises(flags.IllegalFlagValueError, match=re.escape(message)):
+        fv(["train.py", *argv])

@@ -323,7 +323,8 @@ def test_a_multiworker_backup_resumes_in_one_process(tmp_path, one_device_refere
 
 
 # ------------------------------------------------------------ bad input
-def _tiny(tmp_path, **backup_kwargs):
+def _tiny_fit(callbacks, epochs):
+    """`kd.fit` of a one-layer model on 64 examples, 8 steps an epoch."""
     import keras
 
     import keras_dist as kd
@@ -335,9 +336,15 @@ def _tiny(tmp_path, **backup_kwargs):
         return model
 
     x = np.random.default_rng(0).normal(size=(64, 4))
-    y = x.sum(axis=1, keepdims=True)
-    return lambda **fit: kd.fit(build, x, y, batch_size=8, verbose=0, callbacks=[
-        kd.callbacks.BackupAndRestore(tmp_path / "backup", **backup_kwargs)], **fit)
+    return kd.fit(build, x, x.sum(axis=1, keepdims=True), batch_size=8, epochs=epochs,
+                  verbose=0, callbacks=callbacks)
+
+
+def _tiny(tmp_path, **backup_kwargs):
+    from keras_dist.callbacks import BackupAndRestore
+
+    return lambda epochs: _tiny_fit(
+        [BackupAndRestore(tmp_path / "backup", **backup_kwargs)], epochs)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -374,25 +381,9 @@ def test_a_damaged_newest_backup_falls_back_to_the_previous_one_naming_the_file(
     assert (previous["epoch"], previous["step"]) == (1, 4)
     restorer = BackupAndRestore(tmp_path / "backup", delete_checkpoint=False)
     with pytest.warns(UserWarning, match="skipping the damaged backup"):
-        history = _refit(tmp_path, restorer)
+        history = _tiny_fit([restorer], epochs=2)
     assert (restorer.restored_epoch, restorer.restored_step) == (1, 4)
     assert history.epoch == [1]
-
-
-def _refit(tmp_path, restorer):
-    import keras
-
-    import keras_dist as kd
-
-    def build():
-        keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
-        model.compile("sgd", "mse")
-        return model
-
-    x = np.random.default_rng(0).normal(size=(64, 4))
-    return kd.fit(build, x, x.sum(axis=1, keepdims=True), batch_size=8, epochs=2, verbose=0,
-                  callbacks=[restorer])
 
 
 def test_mid_epoch_backups_under_keras_own_fit_are_refused_with_the_fix(tmp_path):
