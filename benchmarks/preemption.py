@@ -47,6 +47,7 @@ _STEPS = flags.DEFINE_integer("steps", 1000, "Steps per epoch.")
 _SAVE_FREQ = flags.DEFINE_integer("save_freq", 50, "Steps between backups (0: no backups).")
 _PERIODS = flags.DEFINE_list("periods", ["60", "30"], "Seconds between failures (T).")
 _STRATEGIES = flags.DEFINE_list("strategies", ["multiworker", "ps"], "Strategies to run.")
+_REPEATS = flags.DEFINE_integer("repeats", 1, "Runs per side (interleaved; medians).")
 _BACKUP = flags.DEFINE_string("backup", None, "Backup directory (set by the driver).")
 _PROGRESS = flags.DEFINE_string("progress", None, "Progress file (set by the driver).")
 _OUTPUT = flags.DEFINE_string("output", "benchmarks/results/preemption.json",
@@ -200,22 +201,30 @@ def main(argv):
         return
     steps = _EPOCHS.value * _STEPS.value
     report = {"epochs": _EPOCHS.value, "steps": _STEPS.value, "save_freq": _SAVE_FREQ.value,
-              "strategies": {}}
+              "repeats": _REPEATS.value, "strategies": {}}
     for strategy in _STRATEGIES.value:
-        runs = {"plain": run_job(strategy, None, backups=False),
-                "steady": run_job(strategy, None, backups=True)}
-        for period in _PERIODS.value:
-            runs[f"T={period}"] = run_job(strategy, float(period), backups=True)
+        # Interleaved: each repeat runs every side once, in turn (a slow
+        # spell of this noisy machine spreads over the sides); medians.
+        sides = [("plain", None, False), ("steady", None, True)] + [
+            (f"T={p}", float(p), True) for p in _PERIODS.value]
+        runs = {side: [] for side, _, _ in sides}
+        for repeat in range(_REPEATS.value):
+            order = sides if repeat % 2 == 0 else sides[::-1]
+            for side, period, backups in order:
+                runs[side].append(run_job(strategy, period, backups=backups))
+        wall = {side: statistics.median(r["wall"] for r in v) for side, v in runs.items()}
         summary = {}
-        for side, run in runs.items():
-            lost = [f["lost_steps"] for f in run["failures"] if "lost_steps" in f]
-            back = [f["back_after"] for f in run["failures"] if f.get("back_after")]
+        for side, side_runs in runs.items():
+            failures = [f for r in side_runs for f in r["failures"]]
+            lost = [f["lost_steps"] for f in failures if "lost_steps" in f]
+            back = [f["back_after"] for f in failures if f.get("back_after")]
             summary[side] = {
-                "wall_s": round(run["wall"], 2), "steps_per_s": round(steps / run["wall"], 1),
-                "goodput_vs_steady": round(runs["steady"]["wall"] / run["wall"], 3),
-                "goodput_vs_plain": round(runs["plain"]["wall"] / run["wall"], 3),
-                "failures": len(run["failures"]), "job_restarts": run["job_restarts"],
-                "worker_restarts": run["worker_restarts"],
+                "wall_s": round(wall[side], 2), "steps_per_s": round(steps / wall[side], 1),
+                "goodput_vs_steady": round(wall["steady"] / wall[side], 3),
+                "goodput_vs_plain": round(wall["plain"] / wall[side], 3),
+                "failures": len(failures),
+                "job_restarts": sum(r["job_restarts"] for r in side_runs),
+                "worker_restarts": sum(r["worker_restarts"] for r in side_runs),
                 "lost_steps_median": statistics.median(lost) if lost else None,
                 "lost_steps_max": max(lost) if lost else None,
                 "lost_seconds_median": round(statistics.median(back), 2) if back else None}

@@ -116,7 +116,7 @@ def define_flags(flag_values=FLAGS, *, strategy=True, nonfinite_updates=True, st
     >>> from keras_dist import flags as kd_flags
     >>> fv = flags.FlagValues()
     >>> kd_flags.define_flags(fv, staleness=False, local_steps=False, straggler=False,
-    ...                       metrics=False, sharding=False)
+    ...                       metrics=False, sharding=False, backup=False)
     ['strategy', 'nonfinite_updates']
     >>> fv["strategy"].default
     'auto'

@@ -180,6 +180,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._writer = None  # the thread writing the last backup
         self._write_error = None
         self._reader = None  # (variables' ids, the function reading them all)
+        self._agree = None  # (strategy, the function summing the workers' stop flags)
         self._watchdog = None
         self._signalled_exit = False  # exiting for a preemption: the watchdog stays
         self._previous_handlers = {}
@@ -426,8 +427,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self._reader is None or self._reader[0] != key:
             import tensorflow as tf
 
-            tensors = [getattr(v, "value", v) for v in variables]
-            self._reader = (key, tf.function(lambda: [tf.identity(t) for t in tensors]))
+            # Read inside the function (every call reads them anew); a
+            # sharded variable converts to its shards concatenated.
+            self._reader = (key, tf.function(
+                lambda: [tf.identity(tf.convert_to_tensor(v)) for v in variables]))
         return [np.asarray(v) for v in self._reader[1]()]
 
     def _prune(self, keep_name):
@@ -494,12 +497,14 @@ class BackupAndRestore(keras.callbacks.Callback):
             return bool(self._signalled)
         if not check:
             return False
-        strategy = self.model.distribute_strategy
-        flag = 1.0 if self._signalled else 0.0
         import tensorflow as tf
 
-        total = strategy.reduce(
-            "SUM", strategy.run(lambda: tf.constant(flag)), axis=None)
+        strategy = self.model.distribute_strategy
+        if self._agree is None or self._agree[0] is not strategy:
+            # One compiled all-reduce (an eager one costs several ms a call).
+            self._agree = (strategy, tf.function(lambda flag: strategy.reduce(
+                "SUM", strategy.run(lambda: tf.identity(flag)), axis=None)))
+        total = self._agree[1](tf.constant(1.0 if self._signalled else 0.0))
         if float(total) > 0 and not self._signalled:
             self._signalled = "a peer's signal"
         return float(total) > 0
