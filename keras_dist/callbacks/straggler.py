@@ -22,13 +22,14 @@ class StragglerError(RuntimeError):
     >>> from keras_dist.callbacks import ReplicaStep
     >>> detector = kd.callbacks.StragglerDetector(window=2, action="raise")
     >>> detector.on_epoch_begin(0)
-    >>> detector.on_replica_steps(0, [ReplicaStep("worker0", 2, 0.02, waited=0.06),
-    ...                               ReplicaStep("worker1", 2, 0.08, waited=0.0)])
+    >>> for batch in (1, 3):  # an epoch's first execution is not judged
+    ...     detector.on_replica_steps(batch, [ReplicaStep("worker0", 2, 0.02, waited=0.06),
+    ...                                       ReplicaStep("worker1", 2, 0.08, waited=0.0)])
     >>> try:
-    ...     detector.on_train_batch_end(0, {})
+    ...     detector.on_train_batch_end(3, {})
     ... except kd.callbacks.StragglerError as error:
     ...     print(str(error)[:35])
-    worker1 is a straggler at batch 0: 
+    worker1 is a straggler at batch 3: 
     """
 
 
@@ -123,7 +124,7 @@ class StragglerDetector(ReplicaCallback):
     >>> from keras_dist.callbacks import ReplicaStep
     >>> detector = kd.callbacks.StragglerDetector(window=4, action=lambda *a: None)
     >>> detector.on_epoch_begin(0)
-    >>> for batch in range(4):
+    >>> for batch in range(5):  # an epoch's first execution is not judged
     ...     time.sleep(0.04)   # the step's wall time
     ...     detector.on_replica_steps(batch, [
     ...         ReplicaStep("replica0", steps=1, seconds=0.010, waited=0.021),
@@ -180,6 +181,7 @@ class StragglerDetector(ReplicaCallback):
         self._executions = collections.deque()
         self._workers = set()
         self._mark = None
+        self._epoch_start = False  # the next synchronous execution opens an epoch
         self.costs, self.scores, self.stragglers, self.events = {}, {}, set(), []
         self._pending = []
 
@@ -190,6 +192,7 @@ class StragglerDetector(ReplicaCallback):
     def on_epoch_begin(self, epoch, logs=None):
         # Time between epochs (evaluation, checkpoints) is nobody's straggling.
         self._mark = self._clock()
+        self._epoch_start = True
 
     def medians(self):
         """Dict `worker -> median compute seconds per step` of the workers
@@ -204,6 +207,15 @@ class StragglerDetector(ReplicaCallback):
         self._mark = now
         if not steps or (len(steps) > 1 and not all(np.isfinite(s.waited) for s in steps)):
             return  # nothing, or an execution that was traced: no timing to judge by
+        if len(steps) > 1 and self._epoch_start:
+            # The first all-reduce of an epoch is where the replicas meet
+            # again after the epoch's end, which the chief spends longer in
+            # (its callbacks: TensorBoard, tables): the others' wait there
+            # is between-epoch work, not straggling. (With one input
+            # iterator for every epoch the others arrive at once and wait.)
+            self._epoch_start = False
+            return
+        self._epoch_start = False
         for step in steps:
             self._workers.add(step.replica)
             if step.steps > 0:
