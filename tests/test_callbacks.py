@@ -34,8 +34,17 @@ class Clock:
 def detector_on_clock(**kwargs):
     detector = StragglerDetector(**kwargs)
     detector._clock = clock = Clock()
-    detector.on_epoch_begin(0)
+    open_epoch(detector, 0)
     return detector, clock
+
+
+def open_epoch(detector, epoch):
+    """`on_epoch_begin`, then the epoch's first synchronous execution, which
+    the detector does not judge (the replicas meet there after the chief's
+    epoch-end work): the steps fed after it are all judged."""
+    detector.on_epoch_begin(epoch)
+    detector.on_replica_steps(-1, [ReplicaStep("opening0", 1, 0.0, waited=9.0),
+                                   ReplicaStep("opening1", 1, 0.0, waited=0.0)])
 
 
 def feed_sync(detector, clock, compute, late=None, comm=0.0005, start_batch=0):
@@ -244,9 +253,24 @@ def test_time_between_epochs_is_not_counted():
     feed_sync(detector, clock, {"a": [0.01] * 4, "b": [0.012] * 4}, comm=0)
     cost = detector.costs["b"]
     clock.now += 100.0  # a long evaluation
-    detector.on_epoch_begin(1)
+    open_epoch(detector, 1)
     feed_sync(detector, clock, {"a": [0.01] * 4, "b": [0.012] * 4}, comm=0, start_batch=4)
     assert detector.costs["b"] == pytest.approx(cost)
+
+
+def test_an_epochs_first_synchronous_execution_is_not_judged():
+    # The chief ("a") spends 0.5 s in its epoch-end callbacks; "b" waits for
+    # it at the next epoch's first all-reduce. That is not straggling.
+    detector, clock = detector_on_clock(window=4, action=lambda *a: None)
+    feed_sync(detector, clock, {"a": [0.01] * 4, "b": [0.01] * 4}, comm=0)
+    detector.on_epoch_begin(1)
+    feed_sync(detector, clock, {"a": [0.01] * 4, "b": [0.01] * 4},
+              late={"a": [0.5, 0, 0, 0]}, comm=0, start_batch=4)
+    assert detector.costs["a"] < 0.05 and detector.stragglers == set(), detector.costs
+    # The same lateness later in the epoch is judged.
+    feed_sync(detector, clock, {"a": [0.01] * 4, "b": [0.01] * 4},
+              late={"a": [0.5, 0, 0, 0]}, comm=0, start_batch=8)
+    assert detector.stragglers == {"a"}, detector.costs
 
 
 @pytest.mark.parametrize("kwargs, message", [
