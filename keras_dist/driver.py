@@ -25,7 +25,6 @@ step).
 """
 
 import dataclasses
-import functools
 import warnings
 from typing import Any, List, Optional
 
@@ -83,7 +82,7 @@ class Executor:
         self.ran_out = False
         self.policy = None  # an update.NonFinitePolicy, from begin_training on
 
-    make_train_input = staticmethod(functools.partial(data_lib.distribute, stream=True))
+    make_train_input = staticmethod(data_lib.distribute)
     """`f(strategy, x, y, sample_weight, **kwargs)` building the training input."""
 
     @property
@@ -91,7 +90,12 @@ class Executor:
         """The strategy validation and evaluation run under."""
         return self.strategy
 
-    def train_input(self, x, y, sample_weight, **kwargs):
+    def train_input(self, x, y, sample_weight, resumable=False, **kwargs):
+        """`resumable`: a backup may resume this run mid-epoch, so arrays are
+        read as an epoch stream (`data_lib.epoch_stream`), positioned exactly
+        by `DistributedInput.at`."""
+        if resumable and not self.parameter_server:
+            kwargs["stream"] = True
         return self.make_train_input(self.strategy, x, y, sample_weight, **kwargs)
 
     def eval_input(self, x, y, sample_weight, *, batch_size, steps, what="x"):
@@ -176,7 +180,8 @@ def fit(executor, x=None, y=None, *, batch_size=None, epochs=1,
             (x, y, sample_weight), validation_split)
     train = executor.train_input(
         x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
-        class_weight=class_weight, steps=steps_per_epoch)
+        class_weight=class_weight, steps=steps_per_epoch,
+        resumable=_backs_up(callbacks))
     val = None
     if validation_data is not None:
         vx, vy, vsw = data_lib.unpack_validation(validation_data)
@@ -311,6 +316,14 @@ def build_for_training(model, strategy, sample_batch, build_optimizer=True):
         if build_optimizer and model.optimizer is not None and not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
         model.reset_metrics()
+
+
+def _backs_up(callbacks):
+    """Whether a `keras_dist.callbacks.BackupAndRestore` is among `callbacks`."""
+    from keras_dist.callbacks.backup import BackupAndRestore
+
+    found = getattr(callbacks, "callbacks", callbacks) or ()
+    return any(isinstance(cb, BackupAndRestore) for cb in found)
 
 
 def metric_state(model):
