@@ -221,10 +221,7 @@ def _resumes_mid_epoch(callbacks):
     """Whether a `keras_dist.callbacks.BackupAndRestore` is among `callbacks`:
     its backups resume at a step within an epoch (and at the batches an
     uninterrupted run reads there), which Keras' own loop cannot do."""
-    from keras_dist.callbacks.backup import BackupAndRestore
-
-    found = getattr(callbacks, "callbacks", callbacks) or ()
-    return any(isinstance(cb, BackupAndRestore) for cb in found)
+    return driver._backs_up(callbacks)
 
 
 def _convertible(model):
