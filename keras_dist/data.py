@@ -94,14 +94,7 @@ def from_arrays(x, y=None, sample_weight=None, *, batch_size=None, shuffle=True,
     `repeat=True` the examples repeat forever before batching, so every batch
     is full (what asynchronous workers reading a stream want).
     """
-    if class_weight is not None:
-        if y is None:
-            raise ValueError("`class_weight` needs targets `y`; received y=None.")
-        weights = class_weight_to_sample_weight(y, class_weight)
-        sample_weight = weights if sample_weight is None else (
-            np.asarray(sample_weight, "float32") * weights)
-    arrays = (x,) if y is None else (x, y) if sample_weight is None else (
-        x, y, sample_weight)
+    arrays = _training_arrays(x, y, sample_weight, class_weight)
     n = num_samples(arrays)
     dataset = tf.data.Dataset.from_tensor_slices(arrays)
     if shuffle:
@@ -120,6 +113,17 @@ def from_arrays(x, y=None, sample_weight=None, *, batch_size=None, shuffle=True,
     # idle (benchmarks/iterator_release.py).
     options.autotune.enabled = False
     return dataset.with_options(options)
+
+
+def _training_arrays(x, y, sample_weight, class_weight):
+    """`(x[, y[, sample_weight]])`, the class weights folded into the sample weights."""
+    if class_weight is not None:
+        if y is None:
+            raise ValueError("`class_weight` needs targets `y`; received y=None.")
+        weights = class_weight_to_sample_weight(y, class_weight)
+        sample_weight = weights if sample_weight is None else (
+            np.asarray(sample_weight, "float32") * weights)
+    return (x,) if y is None else (x, y) if sample_weight is None else (x, y, sample_weight)
 
 
 def epoch_stream(x, y=None, sample_weight=None, *, batch_size=None, shuffle=True,
@@ -156,14 +160,7 @@ def epoch_stream(x, y=None, sample_weight=None, *, batch_size=None, shuffle=True
     >>> resumed == whole[4:]
     True
     """
-    if class_weight is not None:
-        if y is None:
-            raise ValueError("`class_weight` needs targets `y`; received y=None.")
-        weights = class_weight_to_sample_weight(y, class_weight)
-        sample_weight = weights if sample_weight is None else (
-            np.asarray(sample_weight, "float32") * weights)
-    arrays = (x,) if y is None else (x, y) if sample_weight is None else (
-        x, y, sample_weight)
+    arrays = _training_arrays(x, y, sample_weight, class_weight)
     n = num_samples(arrays)
     batch_size = batch_size or DEFAULT_BATCH_SIZE
     tensors = tf.nest.map_structure(tf.convert_to_tensor, arrays)
