@@ -708,12 +708,13 @@ class _AsyncState:
             taus, skipped = tf.unstack(back)[:k], back[k]
             with tf.control_dependencies([back]):
                 claimed = tf.timestamp() - start
-            with tf.control_dependencies(writes + [back]):
+            # After the claim's own timestamp: `claimed <= seconds` always.
+            with tf.control_dependencies(writes + [claimed]):
                 seconds = tf.timestamp() - start
         else:
             with tf.control_dependencies(taus):
                 claimed = tf.timestamp() - start
-            with tf.control_dependencies(writes + taus):
+            with tf.control_dependencies(writes + [claimed]):
                 seconds = tf.timestamp() - start
             skipped = tf.add_n(skips) if skips else 0
         return step_report.pack(worker, seconds, examples, loss_sum, loss_count, taus,

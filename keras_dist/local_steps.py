@@ -240,7 +240,7 @@ def local_round(state, batches, worker, faults, outer_optimizer, elastic=None):
                                 non_trainable, nt, nt0, tau, worker, w0)
     with tf.control_dependencies([tau]):
         claimed = tf.timestamp() - start
-    with tf.control_dependencies(writes + [tau]):
+    with tf.control_dependencies(writes + [claimed]):  # claimed <= seconds
         seconds = tf.timestamp() - start
     loss_sum, loss_count = state.metrics.loss_state(metrics)
     logs = {name: value for name, value in logs.items()
