@@ -341,6 +341,29 @@ def test_inner_clipping_is_applied_through_a_wrapper():
     np.testing.assert_allclose(variables[0].numpy(), [-0.6, -0.8, 0.0], rtol=1e-6)
 
 
+@pytest.mark.parametrize("make", [
+    lambda: GapAware(keras.optimizers.SGD(0.1)),
+    lambda: DCASGD(keras.optimizers.SGD(0.1), mode="adaptive"),
+    lambda: StalenessLimit(GapAware(keras.optimizers.SGD(0.1)), 8),   # handed on inside
+], ids=["gap_aware", "dcasgd", "nested"])
+@pytest.mark.parametrize("pulled, received", [
+    (None, "pulled=None for 2 variables"),
+    ([np.zeros((3, 2), "float32")], "1 pulled weights for 2 variables"),
+], ids=["none", "too_few"])
+def test_an_update_without_pulled_weights_is_refused(make, pulled, received):
+    """DCASGD and GapAware need the weights the gradients were computed on;
+    without them (a hand-made `UpdateInfo(staleness=3)`) the error says so,
+    instead of `TypeError: 'NoneType' object is not iterable`."""
+    opt = make()
+    variables = [keras.Variable(np.zeros(s, "float32")) for s in SHAPES]
+    grads = [keras.ops.ones(s) for s in SHAPES]
+    with pytest.raises(ValueError, match=r"needs the weights its gradients were computed "
+                       r"on.*UpdateInfo\(staleness=\.\.\., pulled=\[\.\.\.\]\).*Received: "
+                       + received):
+        opt.apply(grads, variables, update=UpdateInfo(staleness=3, pulled=pulled))
+    np.testing.assert_array_equal(variables[0].numpy(), np.zeros((3, 2)))   # nothing applied
+
+
 def test_explicit_update_wins_over_the_provided_one():
     from keras_dist.update import providing
 

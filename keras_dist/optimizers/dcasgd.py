@@ -57,7 +57,8 @@ class DCASGD(StalenessAwareOptimizer):
     Raises:
         ValueError: for an unknown mode or out-of-range hyperparameters, or
             when it would see loss-scaled gradients (wrap it in the
-            `LossScaleOptimizer`, not the other way round).
+            `LossScaleOptimizer`, not the other way round); at `apply`, for
+            an update without the pulled weights (`UpdateInfo.pulled`).
     """
 
     needs_pulled_weights = True
@@ -86,6 +87,15 @@ class DCASGD(StalenessAwareOptimizer):
                                   for v in var_list]
 
     def transform(self, grads, variables, staleness, pulled):
+        if pulled is None or len(pulled) != len(variables):
+            received = "pulled=None" if pulled is None else f"{len(pulled)} pulled weights"
+            raise ValueError(
+                "DCASGD corrects each gradient by how far its weight moved since the "
+                "worker read it (w_now - w_pulled), so each update needs the weights its "
+                "gradients were computed on, one per variable: apply(grads, variables, "
+                "update=UpdateInfo(staleness=..., pulled=[...])). AsyncModel and "
+                "keras_dist.simulate pass them. "
+                f"Received: {received} for {len(variables)} variables.")
         out, ratios = [], []
         for i, (g, variable, w_pulled) in enumerate(zip(grads, variables, pulled)):
             if g is None:

@@ -67,7 +67,8 @@ class GapAware(StalenessAwareOptimizer):
     Raises:
         ValueError: for out-of-range hyperparameters, a `measure="momentum"`
             whose momentum cannot be found, nesting inside another scaling
-            wrapper, or when it would see loss-scaled gradients.
+            wrapper, or when it would see loss-scaled gradients; at `apply`,
+            for an update without the pulled weights (`UpdateInfo.pulled`).
     """
 
     needs_pulled_weights = True
@@ -103,6 +104,14 @@ class GapAware(StalenessAwareOptimizer):
         self._eta_max = self._scalar("eta_max")
 
     def transform(self, grads, variables, staleness, pulled):
+        if pulled is None or len(pulled) != len(variables):
+            received = "pulled=None" if pulled is None else f"{len(pulled)} pulled weights"
+            raise ValueError(
+                "GapAware measures how far each weight moved since the worker read it, "
+                "so each update needs the weights its gradients were computed on, one "
+                "per variable: apply(grads, variables, update=UpdateInfo(staleness=..., "
+                "pulled=[...])). AsyncModel and keras_dist.simulate pass them. "
+                f"Received: {received} for {len(variables)} variables.")
         t = self._updates.value.assign_add(1.0)
         lr = tf.cast(self.learning_rate, tf.float32)
         eta_max = self._eta_max.value.assign(tf.maximum(self._eta_max.value, lr))
