@@ -35,6 +35,7 @@ _EXPORTS = {
     "choose_strategy": "keras_dist.strategy",
     "evaluate": "keras_dist.training",
     "fit": "keras_dist.training",
+    "predict": "keras_dist.training",
     "resolve_strategy": "keras_dist.strategy",
     "serve": "keras_dist.serving",
 }
@@ -52,7 +53,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time see __getattr__
     from keras_dist.update import NonFiniteUpdateError  # noqa: F401
     from keras_dist.strategy import (  # noqa: F401
         StrategyChoice, StrategyKind, build_strategy, choose_strategy, resolve_strategy)
-    from keras_dist.training import evaluate, fit  # noqa: F401
+    from keras_dist.training import evaluate, fit, predict  # noqa: F401
 
 
 def __getattr__(name):

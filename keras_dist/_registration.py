@@ -33,7 +33,16 @@ def register_serializables():
     which `keras_dist._runtime` refuses) must not make the user's own
     `import keras` fail; the same error is raised, with its message, when
     keras_dist is used.
+
+    Also guards Keras' own `model.fit` on a parameter-server cluster's tasks
+    (`keras_dist._plain_fit`).
     """
+    try:
+        from keras_dist import _plain_fit
+
+        _plain_fit.install()
+    except Exception as exc:  # noqa: BLE001  (see docstring)
+        logging.getLogger("keras_dist").debug("keras_dist: model.fit not guarded: %s", exc)
     for name in SERIALIZABLE_MODULES:
         try:
             importlib.import_module(name)

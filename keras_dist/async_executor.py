@@ -60,6 +60,7 @@ import tensorflow as tf
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 from keras_dist import data as data_lib
 from keras_dist import driver
+from keras_dist import guard
 from keras_dist import inflight
 from keras_dist import local_steps as local_steps_lib
 from keras_dist import sharded
@@ -446,7 +447,8 @@ class AsyncExecutor(driver.Executor):
             counting = (contextlib.nullcontext() if self._local  # stateless: counted by delta
                         else update.atomic_iterations(optimizer))
             try:
-                with update.intercept_apply(optimizer), counting:
+                with update.intercept_apply(optimizer), counting, guard.finite_loss_only(
+                        self.model, self.nonfinite_updates):
                     return self.coordinator.schedule(fn, args=(self._iterator,))
             except _LOST as error:  # an earlier closure's failure, raised here
                 self._survive(error)
@@ -624,8 +626,7 @@ class _AsyncState:
         server) or returned as a packed vector."""
         model = self.model
         worker = tf.distribute.coordinator.experimental_get_current_worker_index()
-        with tf.control_dependencies([t for t in tf.nest.flatten(batches[0]) if t is not None]):
-            start = tf.timestamp()
+        start, batches = step_report.start_clock(batches)
         taus, writes, skips, step_logs, homes, ready = [], [], [], {}, [], []
         examples = tf.constant(0.0, tf.float64)
         # The metrics' state, from zero, summed over the k steps on the worker;

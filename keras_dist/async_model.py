@@ -1,7 +1,6 @@
 """`AsyncModel`: a `keras.Model` that trains asynchronously on parameter servers."""
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
@@ -205,13 +204,26 @@ class AsyncModel(keras.Model):
                                      faults=testing.faults_from_env(),
                                      cluster=ClusterConfig.from_env())
             return driver.fit(executor, x, y, **kwargs)
-        return super().fit(x, y, **kwargs)
+        # Any other strategy: what `keras_dist.fit` does there (Keras' own
+        # loop with the non-finite policy in it, or keras_dist's where
+        # Keras' fails), on Keras' own `fit` of this model.
+        from keras_dist import training
+
+        setup = dict(nonfinite_updates=self.nonfinite_updates,
+                     faults=testing.faults_from_env(), cluster=ClusterConfig.from_env())
+        return training.fit_synchronously(self, strategy, super().fit, x, y, setup, **kwargs)
 
     @property
     def version(self):
-        """Integer or `None`. Updates applied so far (the parameter version)."""
+        """Integer or `None`. Updates applied so far: the parameter version
+        under parameter servers; elsewhere (synchronous training, every
+        update applied everywhere at once) the optimizer's `iterations`.
+        `None` before the model has an optimizer."""
         counter = getattr(self, "version_counter", None)
-        return None if counter is None else counter.value
+        if counter is not None:
+            return counter.value
+        optimizer = getattr(self, "optimizer", None)
+        return None if optimizer is None else int(optimizer.iterations.numpy())
 
     # --------------------------------------------------------------- inference
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto",
@@ -238,16 +250,7 @@ class AsyncModel(keras.Model):
         if not isinstance(self.distribute_strategy, tf.distribute.ParameterServerStrategy):
             return super().predict(x, batch_size=batch_size, verbose=verbose,
                                    steps=steps, callbacks=callbacks)
-        sharded.prepare(self)  # embedding lookups read only the rows they need
-        dataset = x if isinstance(x, tf.data.Dataset) else tf.data.Dataset.from_tensor_slices(
-            x).batch(batch_size or 32)
-        if steps is not None:
-            dataset = dataset.take(steps)
-        predict = self.__dict__.get("_kd_predict")
-        if predict is None:  # compiled once, as Keras keeps its predict_function
-            predict = tf.function(lambda batch: self(batch, training=False),
-                                  reduce_retracing=True)  # a last, smaller batch
-            self.__dict__["_kd_predict"] = predict
-        outputs = [predict(keras.utils.unpack_x_y_sample_weight(b)[0]) for b in dataset]
-        return tf.nest.map_structure(lambda *parts: np.concatenate(
-            [p.numpy() for p in parts]), *outputs)
+        from keras_dist import driver
+
+        return driver.predict_here(self, x, batch_size=batch_size, verbose=verbose,
+                                   steps=steps, callbacks=callbacks)

@@ -293,6 +293,54 @@ def evaluate(executor, x=None, y=None, *, batch_size=None,
     return values[0] if len(values) == 1 else values
 
 
+def predict_here(model, x, *, batch_size=None, verbose="auto", steps=None, callbacks=None):
+    """`keras.Model.predict` computed in this process alone (`kd.predict`).
+
+    The batches of `x` go through one compiled call of the model each,
+    traced once (`reduce_retracing`: a smaller last batch reuses it), in
+    the model's strategy's cross-replica context: each distributed
+    variable reads this process's copy, so no replica or worker waits for
+    another. Callbacks see Keras' `on_predict_*` calls.
+    """
+    from keras_dist import sharded
+
+    dist = model.distribute_strategy
+    if isinstance(dist, tf.distribute.ParameterServerStrategy):
+        sharded.prepare(model)  # embedding lookups read only the rows they need
+    data_lib.check_fit_counts(batch_size=batch_size, steps=steps)
+    if isinstance(x, tf.data.Dataset):
+        dataset = x
+    else:
+        dataset = tf.data.Dataset.from_tensor_slices(x).batch(batch_size or 32)
+    if steps is not None:
+        dataset = dataset.take(steps)
+    total = int(dataset.cardinality())
+    total = total if total >= 0 else None
+    verbose = resolve_verbose(verbose, False, True)
+    if not isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks = keras.callbacks.CallbackList(
+            callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1, steps=total,
+            model=model)
+    function = model.__dict__.get("_kd_predict")
+    if function is None:  # compiled once, as Keras keeps its predict_function
+        function = tf.function(lambda batch: model(batch, training=False),
+                               reduce_retracing=True)
+        model.__dict__["_kd_predict"] = function
+    callbacks.on_predict_begin()
+    outputs = []
+    with dist.scope():
+        for step, batch in enumerate(dataset):
+            callbacks.on_predict_batch_begin(step)
+            out = function(keras.utils.unpack_x_y_sample_weight(batch)[0])
+            outputs.append(tf.nest.map_structure(lambda t: t.numpy(), out))
+            callbacks.on_predict_batch_end(step, {"outputs": outputs[-1]})
+    callbacks.on_predict_end()
+    if not outputs:
+        raise ValueError("keras_dist.predict: `x` gave no batches (empty input, or steps=0); "
+                         "pass at least one row.")
+    return tf.nest.map_structure(lambda *parts: np.concatenate(parts), *outputs)
+
+
 def build_for_training(model, strategy, sample_batch, build_optimizer=True):
     """Creates the optimizer's and the metrics' state from one sample batch.
 

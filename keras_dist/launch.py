@@ -134,6 +134,14 @@ class Cluster:
         # Where a task's BackupAndRestore says which backup is in force.
         self.state_dir = tempfile.mkdtemp(prefix="keras-dist-run-")
         self.env[STATE_ENV] = self.state_dir
+        if config.cluster.get("ps"):
+            # Every task imports keras_dist at start-up, whose guard refuses
+            # Keras' own model.fit there (keras_dist/_plain_fit.py): a script
+            # that never hands its training to keras_dist fails on every
+            # task instead of training one model per task.
+            boot = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_boot")
+            self.env["PYTHONPATH"] = os.pathsep.join(
+                [boot] + [p for p in self.env.get("PYTHONPATH", "").split(os.pathsep) if p])
         self.console = _Console(out or sys.stdout,
                                 quiet="TF_CPP_MIN_LOG_LEVEL" not in self.env)
         self.procs = {}

@@ -201,8 +201,7 @@ def local_round(state, batches, worker, faults, outer_optimizer, elastic=None):
     non_trainable = list(model.non_trainable_variables)
     metric_vars = state.metric_variables
     opt_vars = list(optimizer.variables)
-    with tf.control_dependencies([t for t in tf.nest.flatten(batches[0]) if t is not None]):
-        start = tf.timestamp()
+    start, batches = step_report.start_clock(batches)
     # The pull: version, weights, other state, optimizer state; one round trip.
     read = state.version.read()
     w0 = [v.value.read_value() for v in trainable]

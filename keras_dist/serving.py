@@ -150,6 +150,67 @@ def serve(cluster=None):
     start_server(cluster).join()
 
 
+def meet_peers(cluster, timeout, poll=0.2):
+    """Waits until every other training task (chief and workers) of a
+    MultiWorkerMirrored cluster is up, before TensorFlow's own wait.
+
+    TensorFlow's MultiWorkerMirroredStrategy waits for its peers inside its
+    constructor, in C++, with no limit ("Waiting for 1/2 tasks") and with
+    SIGTERM swallowed by its preemption notifier: a lone worker whose peer
+    never started hung until SIGKILL. Here each task listens on its own
+    port (a plain socket, closed before TensorFlow binds it) and connects to
+    every peer's until each has answered once; seeing a peer once is enough
+    (after that it answers from its listener or from TensorFlow's server),
+    so no two tasks wait for each other. The wait is ordinary Python: SIGTERM
+    ends it, and after `timeout` seconds it fails naming the missing tasks.
+
+    Raises:
+        TimeoutError: naming every peer that did not answer within `timeout`.
+    """
+    own = cluster.address
+    pending = {f"{role}:{i}": address
+               for role in ("chief", "worker")
+               for i, address in enumerate(cluster.cluster.get(role, ()))
+               if address != own}
+    if not pending:
+        return
+    listener = None
+    if own is not None:
+        try:
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(("", int(own.rpartition(":")[2])))
+            listener.listen(64)
+        except OSError:  # the port is taken (TensorFlow's server already runs)
+            if listener is not None:
+                listener.close()
+            listener = None
+    deadline = time.monotonic() + timeout
+    try:
+        while pending:
+            for name, address in list(pending.items()):
+                host, _, port = address.rpartition(":")
+                try:
+                    with socket.create_connection((host.strip("[]"), int(port)), timeout=1):
+                        del pending[name]
+                except OSError:
+                    pass
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"MultiWorkerMirrored peers did not come up within {timeout:g} s: "
+                    + ", ".join(f"{n} at {a}" for n, a in pending.items())
+                    + f" (this task: {cluster.task_type}:{cluster.task_index}). Start "
+                    "every task of TF_CONFIG's cluster (the launcher or scheduler starts "
+                    "them together), or raise `connect_timeout` in "
+                    "keras_dist.resolve_strategy.")
+            time.sleep(poll)
+    finally:
+        if listener is not None:
+            listener.close()
+
+
 def wait_for_tasks(cluster, timeout):
     """Waits until every task's port accepts TCP connections.
 

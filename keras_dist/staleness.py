@@ -174,3 +174,36 @@ class StalenessStats:
         if not taus:
             return {}
         return {"staleness_mean": float(np.mean(taus)), "staleness_max": int(max(taus))}
+
+
+def record_synchronous(model):
+    """After a synchronous `fit` (one device, Mirrored, MultiWorkerMirrored):
+    `model.staleness_stats` holds one record (worker 0) with a staleness of 0
+    for each update of that `fit` call (every update is applied everywhere
+    before the next step reads the weights); and a model without
+    its own `version` (not an `AsyncModel`) gets `model.version`, the
+    optimizer's `iterations`. What a parameter-server run gives there, so
+    a script reads them in every cluster shape.
+
+    Example:
+
+    >>> import numpy as np, keras
+    >>> from keras_dist import staleness
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> _ = model.fit(np.ones((8, 2)), np.ones((8, 1)), batch_size=4, verbose=0)
+    >>> staleness.record_synchronous(model)
+    >>> model.version, model.staleness_stats.logs()
+    (2, {'staleness_mean': 0.0, 'staleness_max': 0})
+    """
+    iterations = int(model.optimizer.iterations.numpy()) if model.optimizer is not None else 0
+    before = model.__dict__.get("_kd_iterations_recorded", 0)
+    stats = StalenessStats()
+    updates = max(0, iterations - before)
+    if updates:
+        stats.add(StepRecord(worker=0, staleness=[0] * updates, seconds=float("nan")))
+    model.__dict__["_kd_iterations_recorded"] = iterations
+    model.__dict__["staleness_stats"] = stats
+    if not isinstance(getattr(type(model), "version", None), property):
+        model.__dict__["version"] = iterations
+

@@ -73,6 +73,24 @@ class StepReport:
     claimed: float = math.nan
 
 
+def start_clock(batches):
+    """`(start, batches)`: the execution's start time, taken once its first
+    batch is there, and `batches` with the first one read after it (in a
+    traced function on the worker).
+
+    The edge is local to the worker (no transfer). Without it TF may take the
+    timestamp after the step's gradients (nothing else depends on it), and
+    an execution's `seconds` came out as 0 (seen on TF 2.16).
+    """
+    batches = list(batches)
+    with tf.control_dependencies([t for t in tf.nest.flatten(batches[0]) if t is not None]):
+        start = tf.timestamp()
+    with tf.control_dependencies([start]):
+        batches[0] = tf.nest.map_structure(lambda t: t if t is None else tf.identity(t),
+                                           batches[0])
+    return start, batches
+
+
 def pack(worker, seconds, examples, loss_sum, loss_count, taus=(), logs=None, names=(),
          state=(), skipped=0, waited=math.nan, stalled=math.nan, claimed=math.nan):
     """The float64 vector of one execution (in a traced function).

@@ -22,6 +22,8 @@ import dataclasses
 import enum
 import logging
 import os
+import signal
+import threading
 from typing import Optional, Tuple
 
 import tensorflow as tf
@@ -30,7 +32,7 @@ from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks
 from keras_dist._runtime import quiet_tf_logger
 from keras_dist import sharded
 from keras_dist.cluster import ClusterConfig
-from keras_dist.serving import configure_grpc, start_server, wait_for_tasks
+from keras_dist.serving import configure_grpc, meet_peers, start_server, wait_for_tasks
 
 logger = logging.getLogger("keras_dist")
 
@@ -199,9 +201,11 @@ def resolve_strategy(strategy="auto", cluster=None, devices=None, *,
             sharded (`keras_dist.sharded`, docs/sharded-variables.md).
             Defaults to `None` (no sharding). Any other strategy raises
             `ValueError` for it.
-        connect_timeout: Float. Parameter-server training only: seconds to
-            wait for every worker and ps task to accept connections before
-            failing with an error naming the missing ones. Defaults to `120`.
+        connect_timeout: Float. Seconds to wait for the cluster's other
+            tasks (parameter servers: every worker and ps task;
+            MultiWorkerMirrored: every other chief / worker) to accept
+            connections before failing with `TimeoutError` naming the
+            missing ones. Defaults to `120`.
 
     On a `worker` or `ps` task of a parameter-server cluster this starts the
     task's server (so the chief can reach it early) and returns the default
@@ -221,8 +225,8 @@ def resolve_strategy(strategy="auto", cluster=None, devices=None, *,
         ValueError: for an unknown name or one that contradicts the cluster.
         RuntimeError: when MultiWorkerMirroredStrategy is asked for after
             TensorFlow's runtime has started (it must be created first).
-        TimeoutError: when a parameter-server cluster's tasks do not come
-            up within `connect_timeout`.
+        TimeoutError: when the cluster's other tasks do not come up within
+            `connect_timeout`.
     """
     if isinstance(strategy, tf.distribute.Strategy):
         if variable_partitioner is not None:
@@ -299,7 +303,7 @@ def build_strategy(choice, *, variable_partitioner=None, connect_timeout=120.0):
                 choice.cluster, variable_partitioner, connect_timeout)
             _PARTITIONERS[key] = variable_partitioner
         else:
-            _STRATEGIES[key] = _multi_worker(choice.cluster)
+            _STRATEGIES[key] = _multi_worker(choice.cluster, connect_timeout)
     elif (kind is StrategyKind.PARAMETER_SERVER and variable_partitioner is not None
           and _PARTITIONERS[key] is not variable_partitioner):
         # One coordinator per process: the strategy cannot be built again
@@ -330,7 +334,7 @@ def _parameter_server(cluster, variable_partitioner, connect_timeout):
     return sharded.install(strategy)  # Keras 3 can then train sharded variables
 
 
-def _multi_worker(cluster):
+def _multi_worker(cluster, connect_timeout=120.0):
     if cluster is not None and cluster.task_type not in ("chief", "worker"):
         raise ValueError(
             f"This process is task {cluster.task_type}:{cluster.task_index}; "
@@ -341,6 +345,13 @@ def _multi_worker(cluster):
     resolver = cluster.cluster_resolver() if cluster is not None else None
     if cluster is not None:
         configure_grpc()  # a cut-off peer becomes an error, not an endless wait
+        meet_peers(cluster, connect_timeout)  # TF's own wait has no limit
+    # TF's coordination service catches SIGTERM for its preemption notifier,
+    # and a task then ignores it (for good: a worker stopped with SIGTERM
+    # trained on). SIGTERM keeps the handling it had before (by default it
+    # ends the process); BackupAndRestore installs its own.
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.getsignal(signal.SIGTERM) if main else None
     try:
         return tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver)
     except RuntimeError as error:
@@ -354,6 +365,9 @@ def _multi_worker(cluster):
             "pass `keras_dist.fit` a function that builds the model instead "
             "of a built model."
         ) from error
+    finally:
+        if before is not None:
+            signal.signal(signal.SIGTERM, before)
 
 
 def _local_gpus():

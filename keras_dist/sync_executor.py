@@ -32,6 +32,7 @@ from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks
 from keras_dist._runtime import quiet_tf_logger
 from keras_dist import data as data_lib
 from keras_dist import driver
+from keras_dist import guard
 from keras_dist import stall
 from keras_dist import step_report
 from keras_dist import update
@@ -150,8 +151,13 @@ class SyncExecutor(driver.Executor):
 
     # ------------------------------------------------------------- one step
     def _train_replica_step(self, data, instrument):
-        """`model.train_step(data)` on one replica, with the update hook; with
+        """`model.train_step(data)` on one replica, with the update hook and
+        the non-finite policy's loss rule (`guard.finite_loss_only`); with
         `instrument`, also this replica's packed `step_report`."""
+        with guard.finite_loss_only(self.model, self.nonfinite_updates):
+            return self._guarded_replica_step(data, instrument)
+
+    def _guarded_replica_step(self, data, instrument):
         model = self.model
         examples = step_report.batch_examples(data)
         synced = [] if instrument else None

@@ -9,18 +9,20 @@ servers. The cluster description and fault injection are read here, once,
 and handed down.
 """
 
+import functools
 import logging
-
-import warnings
 
 import keras
 import tensorflow as tf
 
+from keras_dist import _plain_fit
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 from keras_dist import data as data_lib
 from keras_dist import driver
+from keras_dist import guard
 from keras_dist import local_steps as local_steps_lib
 from keras_dist import strategy as strategy_lib
+from keras_dist import staleness
 from keras_dist import testing
 from keras_dist import update
 from keras_dist.async_executor import AsyncExecutor
@@ -70,11 +72,16 @@ def fit(model, x=None, y=None, *, strategy="auto", cluster=None, nonfinite_updat
         cluster: `ClusterConfig`, dict or `None` (read the environment).
         nonfinite_updates: `"skip"`, `"raise"` or `None` for the model's
             `nonfinite_updates` attribute if it has one, else `"skip"`. What
-            keras_dist's own loops (several replicas, parameter servers) do
-            with an update whose gradients are NaN or Inf: skip it and count
-            it (`skipped_nonfinite` in the logs of an epoch that skipped one)
-            or raise. Keras' own loop (one device) applies such updates as
-            Keras does; there it warns if this is given.
+            happens to an update whose gradients are NaN or Inf, the same on
+            one device (Keras' own loop, guarded at the optimizer:
+            `keras_dist.guard`) as on several replicas and parameter
+            servers: skip it (weights, optimizer slots and `iterations`
+            untouched) and count it (`skipped_nonfinite` in the logs of an
+            epoch that skipped one), or raise `NonFiniteUpdateError`. Under
+            "skip" the epoch's `loss` averages the batches whose loss was
+            finite, so `keras.callbacks.TerminateOnNaN` does not stop a run
+            whose bad updates are skipped (its weights are fine). Keras' own
+            `model.fit` applies such an update: the weights become NaN.
         local_steps: Integer >= 1. Parameter servers only: each worker pulls
             the weights once, takes `local_steps` steps on its copy and
             pushes the change (Downpour / local SGD, docs/local-steps.md).
@@ -148,16 +155,33 @@ def fit(model, x=None, y=None, *, strategy="auto", cluster=None, nonfinite_updat
                                         outer_optimizer=outer_optimizer, elastic=elastic,
                                         **setup),
                           x, y, **fit_kwargs)
+    keras_fit = model.fit
+    if isinstance(model, AsyncModel):  # its own fit comes back here off parameter servers
+        keras_fit = functools.partial(keras.Model.fit, model)
+    with _plain_fit.allowed():  # a strategy chosen on purpose, even on a ps cluster
+        return fit_synchronously(model, dist, keras_fit, x, y, setup, **fit_kwargs)
+
+
+def fit_synchronously(model, dist, keras_fit, x, y, setup, **fit_kwargs):
+    """Trains `model` (in `dist`'s scope) under a synchronous strategy:
+    keras_dist's own loop where Keras' fails or a backup may resume mid-epoch,
+    else `keras_fit` (Keras' own `fit` of the model) with the non-finite
+    policy inside it (`guard.keras_loop`). `setup`: the executors' keyword
+    arguments (`nonfinite_updates`, `faults`, `cluster`)."""
     if _needs_own_loop(dist) or _resumes_mid_epoch(fit_kwargs.get("callbacks")):
-        return driver.fit(SyncExecutor(model, dist, **setup), x, y, **fit_kwargs)
-    if nonfinite_updates is not None:
-        warnings.warn(
-            f"nonfinite_updates={nonfinite_updates!r} has no effect on one device: "
-            "Keras' own model.fit trains and applies updates as Keras does. Use "
-            "keras.callbacks.TerminateOnNaN to stop on NaN there.", stacklevel=2)
-    if is_dataset_fn(x):
-        x = dist.distribute_datasets_from_function(x)
-    return model.fit(x, y, **fit_kwargs)
+        history = driver.fit(SyncExecutor(model, dist, **setup), x, y, **fit_kwargs)
+        model = history.model
+        # Keras' own evaluate / predict fail where its fit does: the model's
+        # are keras_dist's from now on (`kd.evaluate`, `kd.predict`).
+        model.__dict__["evaluate"] = functools.partial(evaluate, model, strategy=dist)
+        model.__dict__["predict"] = functools.partial(predict, model, strategy=dist)
+    else:
+        if is_dataset_fn(x):
+            x = dist.distribute_datasets_from_function(x)
+        history = guard.keras_loop(model, setup["nonfinite_updates"], keras_fit, x, y,
+                                   **fit_kwargs)
+    staleness.record_synchronous(history.model)
+    return history
 
 
 def evaluate(model, x=None, y=None, *, strategy=None, **evaluate_kwargs):
@@ -197,6 +221,50 @@ def evaluate(model, x=None, y=None, *, strategy=None, **evaluate_kwargs):
     if is_dataset_fn(x):
         x = dist.distribute_datasets_from_function(x)
     return model.evaluate(x, y, **evaluate_kwargs)
+
+
+def predict(model, x, *, strategy=None, batch_size=None, verbose="auto", steps=None,
+            callbacks=None):
+    """Predicts with a model under its strategy; a drop-in for `keras.Model.predict`.
+
+    Needed after `fit` under MultiWorkerMirrored and parameter servers (and
+    Mirrored with several replicas), where Keras 3's own `predict` fails or
+    splits the batches as its `fit` does. There the model's weights are the
+    same on every replica, so this process predicts alone, on the batches of
+    `x` in order, with one compiled call per batch (traced once; a smaller
+    last batch reuses it): under MultiWorkerMirrored each worker that calls
+    it gets every prediction, and no worker waits for another. Elsewhere it
+    calls `model.predict`.
+
+    Args:
+        model: A `keras.Model` (e.g. `history.model`).
+        x: Input arrays (or a dict / tuple of them) or a `tf.data.Dataset`
+            of batches.
+        strategy: `tf.distribute.Strategy` or `None` for the strategy the
+            model's variables were created under.
+        batch_size: Integer or `None` (32), for arrays.
+        verbose: `"auto"`, 0, 1 or 2, as for `keras.Model.predict`.
+        steps: Integer or `None`: at most this many batches.
+        callbacks: `keras.callbacks.Callback`s; their `on_predict_*` hooks
+            are called as Keras calls them.
+
+    Returns:
+        NumPy array(s) of predictions, one row per input row, in the
+        structure of the model's outputs.
+
+    Example:
+
+    >>> import numpy as np, keras, keras_dist as kd
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    >>> kd.predict(model, np.ones((5, 4)), verbose=0).shape
+    (5, 2)
+    """
+    dist = strategy or model.distribute_strategy
+    if not (isinstance(dist, tf.distribute.ParameterServerStrategy) or _needs_own_loop(dist)):
+        return model.predict(x, batch_size=batch_size, verbose=verbose, steps=steps,
+                             callbacks=callbacks)
+    return driver.predict_here(model, x, batch_size=batch_size, verbose=verbose, steps=steps,
+                               callbacks=callbacks)
 
 
 def _needs_own_loop(dist):

@@ -279,8 +279,8 @@ class NonFinitePolicy:
 
     Under a `LossScaleOptimizer` (mixed_float16) that optimizer skips
     non-finite steps itself (and lowers its loss scale); the policy leaves
-    the decision to it. Keras' own loop (one device) applies NaN updates
-    as Keras does; use `keras.callbacks.TerminateOnNaN` there.
+    the decision to it. The policy is the same on one device, where
+    `keras_dist.fit` guards Keras' own loop with it (`keras_dist.guard`).
 
     Args:
         mode: String. `"skip"` or `"raise"`. Defaults to `"skip"`.

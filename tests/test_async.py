@@ -51,7 +51,8 @@ def test_async_digits_training(request, shared_cluster, steps_per_execution):
     assert sum(per_worker.values()) == result["scheduled_steps"] // 4
     # Each execution's staleness window ends at its last claim, inside the
     # execution (which goes on to apply the update).
-    assert all(0 < claimed <= seconds for claimed, seconds in result["windows"])
+    odd = [w for w in result["windows"] if not 0 < w[0] <= w[1]]
+    assert not odd, (odd, result["records"], result["ring"])
     # At steps_per_execution 1 the reports went through the ring on the
     # parameter server, one row per execution, none lost or read twice;
     # longer executions returned theirs.

@@ -72,6 +72,7 @@ def main(out_dir):
             "batches_seen": len(batches),
             "updates_per_worker": {str(k): v for k, v in stats.updates_per_worker().items()},
             "windows": [[r.claimed, r.seconds] for r in stats.records],
+            "records": [[r.worker, r.staleness, r.seconds, r.claimed] for r in stats.records],
             "ring": None if ring is None else {"taken": ring.next, "lost": ring.lost},
             "last_epoch_examples_counted": loss_count,
             "reloaded_class": type(reloaded).__name__,

@@ -1,0 +1,1 @@
+"""`sitecustomize` for the tasks keras-dist-run starts (see sitecustomize.py)."""

@@ -1,0 +1,141 @@
+"""One non-finite rule for every loop, Keras' own one-device loop included.
+
+keras_dist's executors (several replicas, parameter servers) apply each
+update under `update.NonFinitePolicy`. On one device `kd.fit` trains with
+Keras' own `model.fit`, which applies an update with NaN / Inf gradients as
+it is (the weights become NaN). `keras_loop(model, mode)` puts the same
+policy inside Keras' loop, at the optimizer, as Keras' `LossScaleOptimizer`
+guards its own updates: while `model.fit` runs, the model's `train_step` is
+traced with the optimizer's `apply` routed through the policy, so `"skip"`
+skips (weights, slots and `iterations` untouched; counted as
+`skipped_nonfinite` in the epoch logs) and `"raise"` raises
+`NonFiniteUpdateError`. With finite gradients the traced step computes
+exactly what Keras' computes (the same update, taken in a `tf.cond`).
+
+`finite_loss_only(model)`: in the block, the model's loss tracker leaves out
+a step whose loss is not finite, so an epoch's `loss` averages the steps
+whose loss was finite (their updates were applied; a skipped update almost
+always comes with a NaN loss) and `keras.callbacks.TerminateOnNaN` does not
+stop a run whose weights are fine. Used while a train step is traced, in
+every loop, under `"skip"`.
+"""
+
+import contextlib
+
+import keras
+import tensorflow as tf
+
+from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
+from keras_dist import update
+
+
+@contextlib.contextmanager
+def finite_loss_only(model, mode="skip"):
+    """In the block (while a train step is traced), `model`'s loss tracker
+    counts a batch only when its loss is finite (`mode="skip"`; any other
+    mode changes nothing). With a finite loss it adds exactly what Keras
+    adds."""
+    tracker = _loss_tracker(model) if mode == "skip" else None
+    if tracker is None or "update_state" in tracker.__dict__:
+        yield
+        return
+    original = tracker.update_state
+
+    def update_state(values, sample_weight=None):
+        values = tf.convert_to_tensor(values)
+        finite = tf.reduce_all(tf.math.is_finite(values))
+        values = tf.where(finite, values, tf.zeros_like(values))
+        if sample_weight is None:
+            sample_weight = tf.ones_like(values)
+        sample_weight = tf.convert_to_tensor(sample_weight)
+        sample_weight = sample_weight * tf.cast(finite, sample_weight.dtype)
+        return original(values, sample_weight=sample_weight)
+
+    tracker.__dict__["update_state"] = update_state
+    try:
+        yield
+    finally:
+        tracker.__dict__.pop("update_state", None)
+
+
+def _loss_tracker(model):
+    """The `loss` mean Keras' `train_step` updates (first of `model.metrics`
+    once compiled), or `None`."""
+    for metric in getattr(model, "metrics", ()):
+        if metric.name == "loss" and isinstance(metric, keras.metrics.Mean):
+            return metric
+    return None
+
+
+class _EpochLogs(keras.callbacks.Callback):
+    """Adds `skipped_nonfinite` to the epoch logs (once anything was
+    skipped in this `fit` call, as the executors do) and keeps the epoch
+    for `NonFiniteUpdateError`'s message. First in the callback list, so
+    `History` and the progress bar see what it adds."""
+
+    def __init__(self, policy):
+        super().__init__()
+        self.policy = policy
+        self.epoch = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+        self.policy.begin_epoch()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            logs.update(self.policy.epoch_logs())
+
+
+def keras_loop(model, mode, fit, *args, **kwargs):
+    """Runs `fit(*args, **kwargs)` (Keras' own `model.fit`) with `model`'s
+    updates under the non-finite policy `mode` ("skip" or "raise").
+
+    Example:
+
+    >>> import numpy as np, keras
+    >>> from keras_dist import guard
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> x = np.array([[1.0, 2.0], [np.nan, 1.0]] * 4)
+    >>> history = guard.keras_loop(model, "skip", model.fit, x, np.ones((8, 1)),
+    ...                            batch_size=2, epochs=1, verbose=0)
+    >>> bool(np.isfinite(model.get_weights()[0]).all())
+    True
+    >>> history.history["skipped_nonfinite"]
+    [2]
+    """
+    policy = update.NonFinitePolicy(mode)
+    optimizer = model.optimizer
+    if optimizer is None or update.skips_itself(optimizer):
+        return fit(*args, **kwargs)  # a LossScaleOptimizer decides itself
+    policy.build()
+    policy.begin_training()
+
+    def hook(original, grads, variables):
+        return policy.apply(original, grads, variables, optimizer=optimizer)
+
+    original_step = model.train_step
+
+    def train_step(data):
+        with update.apply_hook(hook), finite_loss_only(model, mode):
+            return original_step(data)
+
+    logs = _EpochLogs(policy)
+    callbacks = kwargs.pop("callbacks", None)
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks.callbacks.insert(0, logs)
+        logs.set_model(model)
+    else:
+        callbacks = [logs, *(callbacks or [])]
+    model.__dict__["train_step"] = train_step
+    model.train_function = None  # traced afresh, with the guard
+    try:
+        with update.intercept_apply(optimizer):
+            return fit(*args, callbacks=callbacks, **kwargs)
+    except tf.errors.InvalidArgumentError as error:
+        update.raise_if_nonfinite(error, logs.epoch)
+        raise
+    finally:
+        model.__dict__.pop("train_step", None)
+        model.train_function = None  # Keras' own fit traces its own step again
