@@ -550,7 +550,7 @@ class ClusterConfig:
     def describe(self):
         """A one-line human summary, e.g. `2 workers, 1 ps (TF_CONFIG)`."""
         parts = [
-            f"{len(self.cluster[r])} {r if len(self.cluster[r]) == 1 else r + 's'}"
+            f"{len(self.cluster[r])} {r if len(self.cluster[r]) == 1 or r == 'ps' else r + 's'}"
             for r in ROLES
             if r in self.cluster
         ]

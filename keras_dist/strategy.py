@@ -238,13 +238,19 @@ def resolve_strategy(strategy="auto", cluster=None, devices=None, *,
                 "yourself, or pass strategy='auto' / 'parameter_server'.")
         return strategy
     choice = choose_strategy(strategy, cluster, devices)
-    logger.info("keras_dist: using %s strategy (%s)", choice.kind.value, choice.reason)
+    line = f"keras_dist: using {choice.kind.value} strategy ({choice.reason})"
+    # Once per process (resolve_strategy() then kd.fit logged it twice).
+    logger.log(logging.DEBUG if line in _LOGGED else logging.INFO, "%s", line)
+    _LOGGED.add(line)
     return build_strategy(choice, variable_partitioner=variable_partitioner,
                           connect_timeout=connect_timeout)
 
 
 _STRATEGIES = {}
 _PARTITIONERS = {}  # parameter-server strategies' variable_partitioner, same keys
+
+
+_LOGGED = set()  # the strategy lines logged so far
 
 
 def build_strategy(choice, *, variable_partitioner=None, connect_timeout=120.0):

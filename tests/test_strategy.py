@@ -252,13 +252,19 @@ def test_resolve_parameter_server_rejects_evaluator_task(clean_env):
         resolve_strategy(cluster=cluster)
 
 
-def test_resolve_logs_one_line_with_choice_and_reason(clean_env, keras_dist_log):
+def test_resolve_logs_one_line_with_choice_and_reason(clean_env, keras_dist_log, monkeypatch):
+    from keras_dist import strategy as strategy_lib
+
+    monkeypatch.setattr(strategy_lib, "_LOGGED", set())
     resolve_strategy("mirrored", devices=CPUS)
     records = [r for r in keras_dist_log.records if r.name == "keras_dist"]
     assert len(records) == 1
     message = records[0].getMessage()
     assert "mirrored" in message
     assert "strategy argument" in message
+    # The same choice again (resolve_strategy() then kd.fit): not logged twice.
+    resolve_strategy("mirrored", devices=CPUS)
+    assert len([r for r in keras_dist_log.records if r.name == "keras_dist"]) == 1
 
 
 def test_mirrored_strategy_is_built_once_per_device_set(clean_env):
