@@ -1,9 +1,10 @@
 """The fenced code blocks of README.md and docs/*.md, and how each one runs.
 
 Used by tests/test_docs_examples.py, whose docstring describes the markers.
-This module parses the pages (`parse_page`), runs a page's Python session
-(`python tests/docblocks.py session BLOCKS.json`, one fresh process per page)
-and runs shell commands in a sandbox (`Runner`).
+This module parses the pages (`parse_page`), groups a page's Python blocks
+into scripts (`scripts`: a block and the `continue` blocks after it), runs
+one such script (`python tests/docblocks.py session BLOCKS.json`, one fresh
+process each) and runs shell commands in a sandbox (`Runner`).
 """
 
 import collections
@@ -16,7 +17,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import textwrap
 import threading
 import time
 
@@ -39,7 +39,11 @@ LANGUAGES = {
 }
 # Directive -> whether it takes an argument.
 DIRECTIVES = {"skip": True, "file": True, "cluster": True, "continue": False,
-              "raises": True, "expect": True, "shells": False}
+              "raises": True, "expect": True, "shells": False,
+              "complete-script": False}
+# What the last sentence of the prose above a `continue` block must say (e.g.
+# "*Continues the previous block.*"): the reader cannot see the marker.
+CONTINUES = re.compile(r"\bcontinu(e|es|ed|ing)\b", re.IGNORECASE)
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})\s*(?P<info>[^`\s]*)[^`]*$")
 _MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*(?P<body>.*?)\s*-->\s*$")
@@ -52,6 +56,7 @@ class Block:
     lang: str           # the fence's language, lower case ("" if none)
     code: str           # the content, dedented by the fence's indentation
     markers: list       # [(directive, argument or None), ...] in order
+    before: str = ""    # the last paragraph of prose above the block (and its markers)
 
     @property
     def kind(self):
@@ -97,7 +102,7 @@ def parse_page(page, text=None):
         with open(os.path.join(REPO, page), encoding="utf-8") as f:
             text = f.read()
     lines = text.splitlines()
-    blocks, pending, i = [], [], 0
+    blocks, pending, prose, i = [], [], [], 0   # prose: the last paragraph's lines
     while i < len(lines):
         line = lines[i]
         marker = _MARKER.match(line)
@@ -110,6 +115,10 @@ def parse_page(page, text=None):
             if pending and line.strip():
                 raise ValueError(f"{page}:{i + 1}: a docs-test marker must be directly "
                                  f"followed by a fenced code block")
+            if line.strip():
+                if i and not lines[i - 1].strip():
+                    prose = []
+                prose.append(line.strip())
             i += 1
             continue
         indent, mark = fence["indent"], fence["fence"]
@@ -123,8 +132,8 @@ def parse_page(page, text=None):
         if j == len(lines):
             raise ValueError(f"{page}:{i + 1}: code fence is never closed")
         blocks.append(Block(page, i + 1, fence["info"].lower(), "\n".join(body) + "\n",
-                            pending))
-        pending, i = [], j + 1
+                            pending, " ".join(prose)))
+        pending, prose, i = [], [], j + 1
     if pending:
         raise ValueError(f"{page}: a docs-test marker at the end of the page has no block")
     return blocks
@@ -133,6 +142,71 @@ def parse_page(page, text=None):
 def is_doctest(code):
     first = next((line for line in code.splitlines() if line.strip()), "")
     return first.lstrip().startswith(">>>")
+
+
+@dataclasses.dataclass
+class Script:
+    """A Python block and the `continue` blocks after it: one fresh process."""
+
+    blocks: list
+
+    @property
+    def head(self):
+        return self.blocks[0]
+
+    @property
+    def where(self):
+        return self.head.where
+
+    @property
+    def kind(self):
+        """`file` (written for a shell block), `cluster` or `python` (run as is)."""
+        for kind in ("file", "cluster"):
+            if self.head.marker(kind) is not None:
+                return kind
+        return "python"
+
+    @property
+    def code(self):
+        return "\n\n".join(block.code for block in self.blocks)
+
+
+def scripts(blocks):
+    """Groups the Python blocks into `Script`s; returns `(scripts, problems)`.
+
+    A block starts a script of its own unless it is marked `continue`: then
+    it joins the script of the page's previous Python block, and the last
+    sentence of the prose right above it must say so (`CONTINUES`), since
+    the marker is invisible. Skipped blocks belong to no script.
+    """
+    found, problems, previous = [], [], {}   # previous: page -> (block, its script)
+    for block in blocks:
+        if block.kind != "python":
+            continue
+        last, script = previous.get(block.page, (None, None))
+        if block.marker("continue") is None:
+            script = None if block.marker("skip") is not None else Script([block])
+            if script is not None:
+                found.append(script)
+        elif last is None:
+            problems.append(f"{block.where}: `continue` needs a Python block before it "
+                            f"on the page")
+        elif script is None:
+            problems.append(f"{block.where}: `continue` follows a skipped block, "
+                            f"{last.where}: skip this one too, or run that one")
+        else:
+            script.blocks.append(block)
+            said = re.split(r"(?<=[.!?])\s+", block.before.strip())[-1]
+            if not CONTINUES.search(said):
+                problems.append(
+                    f"{block.where}: a `continue` block needs a visible line right "
+                    f"before it that says which block it continues (e.g. \"*Continues "
+                    f"the previous block.*\"); the sentence before it is {said!r}")
+            if block.marker("complete-script") is not None:
+                problems.append(f"{block.where}: `complete-script` on a `continue` "
+                                f"block: a complete script is one block")
+        previous[block.page] = (block, script)
+    return found, problems
 
 
 def shell_commands(block):
@@ -272,9 +346,10 @@ def _kill_group(proc, sig):
 
 # ------------------------------------------------------------------ session
 def run_session(spec_path):
-    """Runs a page's Python blocks in order in this process, in one namespace.
+    """Runs one script's Python blocks in order in this process, in one namespace.
 
-    The spec is `{"prelude": code, "blocks": [{"where", "code", "raises"}]}`.
+    The spec is `{"blocks": [{"where", "code", "raises"}]}`: a block and the
+    blocks that continue it, nothing else (no names the reader does not see).
     Exits 1 at the first block that fails, naming it.
     """
     import doctest
@@ -283,7 +358,6 @@ def run_session(spec_path):
     with open(spec_path) as f:
         spec = json.load(f)
     namespace = {"__name__": "__main__"}
-    exec(compile(spec["prelude"], "<docs-test prelude>", "exec"), namespace)
     for block in spec["blocks"]:
         where, code, raises = block["where"], block["code"], block["raises"]
         print(f"[docs-test] running {where}", flush=True)
@@ -310,11 +384,6 @@ def run_session(spec_path):
                   f"nothing", flush=True)
             sys.exit(1)
         print(f"[docs-test] ok {where}", flush=True)
-
-
-def prelude_code(*parts):
-    """Joins code fragments, each dedented on its own."""
-    return "\n".join(textwrap.dedent(part).strip() + "\n" for part in parts if part.strip())
 
 
 if __name__ == "__main__":

@@ -1,20 +1,28 @@
 """Every fenced code block of README.md and docs/*.md runs, as written.
 
+A reader copies one block into a fresh file and runs it; so does this test.
+Nothing is supplied that the reader does not see on the page: each block
+defines its own data, model and imports.
+
 What runs how (by the fence's language):
 
-- **python**: the page's Python blocks run in order in ONE fresh process per
-  page, in one namespace, so a later block uses the names of an earlier one.
-  A block that starts with `>>>` is a doctest (its output is checked). Names
-  a page leaves to the reader on purpose (`x_train`, `build_model`, ...) come
-  from that page's entry in `PRELUDES` below, never from the docs.
+- **python**: each block runs in a fresh process, in a namespace of its own
+  (`python tests/docblocks.py session`), in a fresh work directory. A block
+  marked `continue` runs after the page's previous Python block, in that
+  block's process and namespace (for a `file` or `cluster` block: appended to
+  its script); the reader is told so by a visible line right above it (see
+  `continue` below). A block that starts with `>>>` is a doctest (its output
+  is checked).
 - **bash / sh / shell / console**: each block runs with `bash -eo pipefail`
   (for `console`, only its `$ ` lines), in order, in the page's work
   directory: a fresh temporary directory holding a symlink to every
-  top-level entry of the repository (`examples/`, `Makefile`, `.venv`, ...),
-  so commands run as in the clone, but what they write stays out of it.
-  `.venv/bin` comes first on `PATH` (as after `source .venv/bin/activate`),
-  and `make` never reinstalls into the shared `.venv`
-  (`--assume-old=.venv/.installed`).
+  top-level entry of the repository (`examples/`, `Makefile`, `.venv`, ...)
+  and the page's `file` blocks, so commands run as in the clone, but what
+  they write stays out of it. A script the page runs is either shown on it
+  (a `file` block) or one of the repository's (`python
+  examples/train_digits.py`). `.venv/bin` comes first on `PATH` (as after
+  `source .venv/bin/activate`), and `make` never reinstalls into the shared
+  `.venv` (`--assume-old=.venv/.installed`).
 - **json / yaml**: parsed (`json.loads`, `yaml.safe_load_all`).
 - **text** (or no language): output, not code; not run.
 
@@ -32,21 +40,30 @@ the site), one directive each, several allowed:
 - `<!-- docs-test: skip: REASON -->`: not run. The reason is required, and
   `test_skips_are_few_and_explained` prints every skip, page by page.
 - `<!-- docs-test: file NAME -->`: the Python block is written to NAME in the
-  page's work directory, for a later shell block to run; not run by itself.
+  page's work directory, for a shell block to run; not run by itself.
 - `<!-- docs-test: cluster ARGS -->`: the Python block runs as a script
-  under `python -m keras_dist.launch ARGS -- python SCRIPT`, after the page's
-  `CLUSTER_PRELUDES` entry; the launcher must exit 0.
-- `<!-- docs-test: continue -->`: the Python block is appended to the
-  previous `file` or `cluster` block's script.
+  under `python -m keras_dist.launch ARGS -- python SCRIPT`; the launcher
+  must exit 0.
+- `<!-- docs-test: continue -->`: the Python block continues the page's
+  previous Python block (same process and namespace, or appended to its
+  `file` / `cluster` script). The last sentence of the prose right above
+  the block must say so, e.g. `*Continues the previous block.*` or
+  `Continuing the script above:` (with `continue`, `continues`, `continued`
+  or `continuing`; `test_continue_blocks_say_so`): the reader cannot see
+  the marker.
+- `<!-- docs-test: complete-script -->`: the block is a complete script, one
+  block, as a reader saves it to a file (other tests find these and run them
+  in several cluster shapes). It runs here as the block would without the
+  marker; it cannot be a `continue` block.
 - `<!-- docs-test: raises NAME[: TEXT] -->`: the Python block must raise the
   exception class NAME (e.g. `ValueError`), with TEXT in its message if
-  given; the page goes on after it.
+  given; a block that continues it runs after it.
 - `<!-- docs-test: expect TEXT -->`: the output of the shell or `cluster`
   block must contain TEXT (what the docs promise it prints).
 - `<!-- docs-test: shells -->`: a shell block of `# shell N` sections, each
   typed into a shell of its own: they run at the same time, each must exit 0.
 
-The jobs (each page's Python session, each cluster script, each page's shell
+The jobs (each Python script, each cluster script, each page's shell
 blocks) all start when the first of them is needed, two at a time
 (`KD_DOCS_TEST_JOBS=N` to change), and each test waits for its own.
 """
@@ -69,114 +86,8 @@ PYTHON = os.path.join(VENV_BIN, "python") if os.path.exists(
     os.path.join(VENV_BIN, "python")) else sys.executable
 SHELL_TIMEOUT = 240     # seconds per shell block
 CLUSTER_TIMEOUT = 240   # seconds per cluster script
-SESSION_TIMEOUT = 240   # seconds per page's Python session
+SESSION_TIMEOUT = 240   # seconds per Python script
 JOB_WAIT = 600          # seconds a test may wait for its job (queued behind others)
-
-# ---------------------------------------------------------------- preludes
-# What a page leaves to the reader on purpose, and nothing else.
-
-_DIGITS = """
-    from keras_dist.datasets import load_digits
-    (x_train, y_train), (x_test, y_test) = load_digits()
-"""
-_XY = (_DIGITS, "x, y = x_train, y_train")
-_BUILD_MODEL = """
-    import keras
-
-
-    def build_model():
-        model = keras.Sequential([keras.Input((64,)),
-                                  keras.layers.Dense(64, activation="relu"),
-                                  keras.layers.Dense(10, activation="softmax")])
-        model.compile("sgd", "sparse_categorical_crossentropy", metrics=["accuracy"])
-        return model
-"""
-# A cluster script's start: the strategy first (before TensorFlow runs
-# anything), then the reader's data, build function and a compiled AsyncModel.
-_CLUSTER_START = ("""
-    import keras_dist as kd
-
-    strategy = kd.resolve_strategy()
-    import keras
-    import tensorflow as tf
-""", *_XY, _BUILD_MODEL, """
-    with strategy.scope():
-        model = kd.AsyncModel.from_model(build_model())
-""")
-
-# The reader's `train.py` where a page runs one without showing it: the
-# digits script of docs/getting-started.md, with an `--epochs` flag.
-TRAIN_PY = '''
-    """The reader's train.py (tests/test_docs_examples.py)."""
-    from absl import app, flags
-
-    import keras_dist as kd
-
-    _EPOCHS = flags.DEFINE_integer("epochs", 2, "Passes over the training set.")
-
-
-    def main(argv):
-        strategy = kd.resolve_strategy()
-        import keras
-        from keras_dist.datasets import load_digits
-
-        def build_model():
-            keras.utils.set_random_seed(0)
-            model = keras.Sequential([keras.Input((64,)),
-                                      keras.layers.Dense(64, activation="relu"),
-                                      keras.layers.Dense(10, activation="softmax")])
-            model.compile(keras.optimizers.SGD(0.05, momentum=0.9),
-                          "sparse_categorical_crossentropy", metrics=["accuracy"])
-            return model
-
-        (x_train, y_train), (x_test, y_test) = load_digits()
-        history = kd.fit(build_model, x_train, y_train, strategy=strategy,
-                         epochs=_EPOCHS.value, batch_size=64, verbose=2)
-        print(kd.evaluate(history.model, x_test, y_test, return_dict=True, verbose=0))
-
-
-    if __name__ == "__main__":
-        app.run(main)
-'''
-
-PRELUDES = {
-    "README.md": (*_XY, """
-        import keras
-
-        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
-    """),
-    "docs/asynchronous-training.md": ("import keras_dist as kd", *_XY, _BUILD_MODEL),
-    "docs/choosing-a-strategy.md": ("import keras_dist as kd",),
-    "docs/fault-tolerance.md": ("import keras_dist as kd", *_XY, _BUILD_MODEL),
-    "docs/getting-started.md": (_DIGITS,),
-    "docs/index.md": ("import keras_dist as kd", *_XY, _BUILD_MODEL,
-                      "model = build_model()"),
-    "docs/staleness-aware-optimizers.md": (_DIGITS,),
-    "docs/stragglers.md": (*_XY, _BUILD_MODEL),
-}
-# One prelude per `cluster` block of the page, in order.
-CLUSTER_PRELUDES = {
-    "README.md": [("""
-        import keras_dist as kd
-        import keras
-        import tensorflow as tf
-    """, *_XY, _BUILD_MODEL)],
-    # Under parameter servers, the case that once failed ("next(iterator)
-    # should be called from outside of replica_fn").
-    "docs/getting-started.md": [("import keras_dist as kd", *_XY, _BUILD_MODEL)],
-    "docs/local-steps.md": [_CLUSTER_START],
-    "docs/sharded-variables.md": [("""
-        import numpy as np
-
-        rng = np.random.default_rng(0)
-        ids = rng.integers(0, 100_000, size=(2048, 4)).astype("int32")
-        clicks = (ids[:, 0] % 2).astype("float32")
-    """,)],
-}
-FILES = {
-    "docs/launching.md": {"train.py": TRAIN_PY},
-    "docs/stragglers.md": {"train.py": TRAIN_PY},
-}
 
 # ---------------------------------------------------------------- collection
 ALL, PROBLEMS = [], []   # PROBLEMS: marker errors, reported by test_markers_parse
@@ -186,58 +97,20 @@ for _page in docblocks.PAGES:
     except ValueError as error:
         PROBLEMS.append(str(error))
 
-
-def _by_page(kind, predicate=lambda block: True):
-    pages = {}
-    for block in ALL:
-        if block.kind == kind and block.marker("skip") is None and predicate(block):
-            pages.setdefault(block.page, []).append(block)
-    return pages
-
-
-def _scripts():
-    """`file` and `cluster` blocks, each with the `continue` blocks after it."""
-    scripts, last = [], {}
-    for block in ALL:
-        if block.marker("skip") is not None:
-            continue
-        if block.marker("continue") is not None:
-            if block.page not in last:
-                PROBLEMS.append(f"{block.where}: `continue` needs a `file` or `cluster` "
-                                f"block before it on the page")
-            else:
-                last[block.page]["code"] += "\n\n" + block.code
-            continue
-        if block.marker("file") is not None or block.marker("cluster") is not None:
-            script = {"block": block, "code": block.code}
-            scripts.append(script)
-            last[block.page] = script
-        elif block.kind == "python":
-            last.pop(block.page, None)
-    return scripts
-
-
-SCRIPTS = _scripts()
-SESSIONS = _by_page("python", lambda b: not any(
-    b.marker(d) is not None for d in ("file", "cluster", "continue")))
-SHELLS = _by_page("shell")
-CLUSTERS = [s for s in SCRIPTS if s["block"].marker("cluster") is not None]
-
-
-def _cluster_prelude(block):
-    mine = [s["block"] for s in CLUSTERS if s["block"].page == block.page]
-    preludes = CLUSTER_PRELUDES.get(block.page, [()] * len(mine))
-    assert len(preludes) == len(mine), (
-        f"{block.page}: CLUSTER_PRELUDES has {len(preludes)} preludes for "
-        f"{len(mine)} cluster blocks")
-    return docblocks.prelude_code(*preludes[mine.index(block)])
+SCRIPTS, SCRIPT_PROBLEMS = docblocks.scripts(ALL)
+PYTHON_SCRIPTS = {s.where: s for s in SCRIPTS if s.kind == "python"}
+CLUSTERS = {s.where: s for s in SCRIPTS if s.kind == "cluster"}
+SHELLS = {}
+for _block in ALL:
+    if _block.kind == "shell" and _block.marker("skip") is None:
+        SHELLS.setdefault(_block.page, []).append(_block)
 
 
 # ---------------------------------------------------------------- jobs
-# Each page's Python session, each cluster script and each page's shell
-# blocks is one job. The jobs of the selected tests start together, when the
-# first of those tests runs, two at a time (`KD_DOCS_TEST_JOBS`); each test
-# then waits for its own job's result.
+# Each Python script, each cluster script and each page's shell blocks is
+# one job. The jobs of the selected tests start together, when the first of
+# those tests runs, two at a time (`KD_DOCS_TEST_JOBS`); each test then waits
+# for its own job's result.
 class _Workdirs:
     """A fresh work directory per job: symlinks to the clone, plus the page's files."""
 
@@ -247,11 +120,8 @@ class _Workdirs:
     def make(self, page, job):
         path = os.path.join(self.root, re.sub(r"\W", "_", page) + "-" + job)
         os.makedirs(path)
-        files = dict(FILES.get(page, {}))
-        for script in SCRIPTS:
-            block = script["block"]
-            if block.page == page and block.marker("file") is not None:
-                files[block.marker("file")] = script["code"]
+        files = {s.head.marker("file"): s.code for s in SCRIPTS
+                 if s.head.page == page and s.kind == "file"}
         for name in os.listdir(REPO):
             if name not in (".git", *files):
                 os.symlink(os.path.join(REPO, name), os.path.join(path, name))
@@ -272,11 +142,11 @@ def _env():
     return env
 
 
-def _python_job(runner, workdirs, page):
-    cwd = workdirs.make(page, "python")
-    spec = {"prelude": docblocks.prelude_code(*PRELUDES.get(page, ())),
-            "blocks": [{"where": b.where, "code": b.code, "raises": b.marker("raises")}
-                       for b in SESSIONS[page]]}
+def _python_job(runner, workdirs, where):
+    script = PYTHON_SCRIPTS[where]
+    cwd = workdirs.make(script.head.page, f"python{script.head.line}")
+    spec = {"blocks": [{"where": b.where, "code": b.code, "raises": b.marker("raises")}
+                       for b in script.blocks]}
     spec_path = os.path.join(cwd, ".docs-test-session.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
@@ -286,12 +156,12 @@ def _python_job(runner, workdirs, page):
 
 
 def _cluster_job(runner, workdirs, where):
-    script = next(s for s in CLUSTERS if s["block"].where == where)
-    block = script["block"]
+    script = CLUSTERS[where]
+    block = script.head
     cwd = workdirs.make(block.page, f"cluster{block.line}")
     name = f"docs_test_{block.line}.py"
     with open(os.path.join(cwd, name), "w") as f:
-        f.write(_cluster_prelude(block) + "\n" + script["code"])
+        f.write(script.code)
     argv = [PYTHON, "-m", "keras_dist.launch", *block.marker("cluster").split(),
             "--", "python", name]
     return runner.run(argv, cwd, _env(), CLUSTER_TIMEOUT)
@@ -425,7 +295,7 @@ def test_markers_fit_their_blocks():
         directives = [name for name, _ in b.markers]
         if "skip" in directives and len(directives) > 1:
             problems.append(f"{b.where}: `skip` with other markers {directives}")
-        for name in ("file", "cluster", "raises", "continue"):
+        for name in ("file", "cluster", "raises", "continue", "complete-script"):
             if name in directives and b.kind != "python":
                 problems.append(f"{b.where}: `{name}` on a ```{b.lang} block")
         if "shells" in directives and b.kind != "shell":
@@ -435,6 +305,45 @@ def test_markers_fit_their_blocks():
         if b.kind == "text" and directives:
             problems.append(f"{b.where}: markers on a text block (it never runs)")
     assert not problems, "\n".join(problems)
+
+
+def test_continue_blocks_say_so():
+    """Each `continue` block follows a Python block that runs, and the prose says so."""
+    assert not SCRIPT_PROBLEMS, "\n".join(SCRIPT_PROBLEMS)
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("```python\nx = 1\n```\n\nThen:\n\n<!-- docs-test: continue -->\n"
+     "```python\nprint(x)\n```\n", "needs a visible line"),
+    ("```python\nx = 1\n```\n\nTraining continues for a while.\nThen:\n\n"
+     "<!-- docs-test: continue -->\n```python\nprint(x)\n```\n", "needs a visible line"),
+    ("Some prose.\n\n<!-- docs-test: continue -->\n```python\nprint(x)\n```\n",
+     "needs a Python block before it"),
+    ("<!-- docs-test: skip: needs a real cluster -->\n```python\nx = 1\n```\n\n"
+     "*Continues the previous block.*\n\n<!-- docs-test: continue -->\n"
+     "```python\nprint(x)\n```\n", "follows a skipped block"),
+    ("```python\nx = 1\n```\n\nContinuing the script above:\n\n"
+     "<!-- docs-test: continue -->\n<!-- docs-test: complete-script -->\n"
+     "```python\nprint(x)\n```\n", "a complete script is one block"),
+], ids=["no_line", "not_the_last_sentence", "first_block", "after_skip", "complete_script"])
+def test_bad_continuations_are_errors(text, problem):
+    _, problems = docblocks.scripts(docblocks.parse_page("page.md", text))
+    assert len(problems) == 1 and problem in problems[0], problems
+
+
+def test_continue_joins_the_previous_script_and_nothing_else_does():
+    blocks = docblocks.parse_page("page.md", (
+        "```python\nx = 1\n```\n\n*Continues the previous block.*\n\n"
+        "<!-- docs-test: continue -->\n```python\nprint(x)\n```\n\n```bash\nls\n```\n\n"
+        "<!-- docs-test: file train.py -->\n```python\nimport sys\n```\n\n"
+        "Then, continuing the\nscript above:\n<!-- docs-test: continue -->\n"
+        "```python\nprint(sys.argv)\n```\n\n```python\nprint(x)\n```\n"))
+    scripts, problems = docblocks.scripts(blocks)
+    assert not problems
+    assert [(s.where, s.kind, [b.line for b in s.blocks]) for s in scripts] == [
+        ("page.md:1", "python", [1, 8]), ("page.md:17", "file", [17, 24]),
+        ("page.md:28", "python", [28])]
+    assert scripts[1].code == "import sys\n\n\nprint(sys.argv)\n"
 
 
 def test_skips_are_few_and_explained():
@@ -469,12 +378,12 @@ def test_data_block_parses(block):
 # ---------------------------------------------------------------- python
 @pytest.mark.multiprocess
 @pytest.mark.timeout(JOB_WAIT)
-@pytest.mark.parametrize("key", sorted(SESSIONS))
+@pytest.mark.parametrize("key", sorted(PYTHON_SCRIPTS))
 def test_python_blocks(key, jobs):
     result = jobs.result(("_python_job", key))
     _report(key, "Python blocks", result)
     assert result.rc == 0, f"{key}: a Python block failed (exit {result.rc}):\n{_tail(result.out)}"
-    for b in SESSIONS[key]:
+    for b in PYTHON_SCRIPTS[key].blocks:
         assert f"[docs-test] ok {b.where}" in result.out or (
             f"[docs-test] {b.where} raised" in result.out), (
             f"{b.where} did not run:\n{_tail(result.out)}")
@@ -483,12 +392,12 @@ def test_python_blocks(key, jobs):
 # ---------------------------------------------------------------- cluster
 @pytest.mark.multiprocess
 @pytest.mark.timeout(JOB_WAIT)
-@pytest.mark.parametrize("key", [s["block"].where for s in CLUSTERS])
+@pytest.mark.parametrize("key", sorted(CLUSTERS))
 def test_cluster_block(key, jobs):
     result = jobs.result(("_cluster_job", key))
     _report(key, "cluster", result)
     assert result.rc == 0, f"{key}: the cluster run failed (exit {result.rc}):\n{_tail(result.out)}"
-    _check_expect(next(s["block"] for s in CLUSTERS if s["block"].where == key), result.out)
+    _check_expect(CLUSTERS[key].head, result.out)
 
 
 # ---------------------------------------------------------------- shell
