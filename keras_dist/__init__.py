@@ -35,6 +35,7 @@ _EXPORTS = {
     "choose_strategy": "keras_dist.strategy",
     "evaluate": "keras_dist.training",
     "fit": "keras_dist.training",
+    "local_fit": "keras_dist._plain_fit",
     "predict": "keras_dist.training",
     "resolve_strategy": "keras_dist.strategy",
     "serve": "keras_dist.serving",
@@ -47,6 +48,7 @@ __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time see __getattr__
     from keras_dist import (  # noqa: F401
         callbacks, flags, optimizers, recipes, sharded, testing, versions)
+    from keras_dist._plain_fit import local_fit  # noqa: F401
     from keras_dist.async_model import AsyncModel  # noqa: F401
     from keras_dist.cluster import ClusterConfig  # noqa: F401
     from keras_dist.serving import serve  # noqa: F401

@@ -19,7 +19,8 @@ trains, naming the task and the fix. It runs
   keras_dist (which imports neither Keras nor TensorFlow).
 
 `keras_dist.fit` with an explicit non-parameter-server strategy on such a
-cluster is the user's choice and stays allowed (`allowed()`).
+cluster is the user's choice and stays allowed, as does Keras' fit inside
+`keras_dist.local_fit()` (`local_fit()`): a model of the chief's own.
 """
 
 import contextlib
@@ -50,8 +51,26 @@ def ps_task(environ=None):
 
 
 @contextlib.contextmanager
-def allowed():
-    """Keras' own fit is allowed in the block (keras_dist.fit's choice)."""
+def local_fit():
+    """Keras' own `model.fit` trains on this process alone in the block,
+    also on a task of a parameter-server cluster (exported as
+    `keras_dist.local_fit`).
+
+    On such a task Keras' own fit is refused, because a script that calls it
+    on every task trains one separate model per task. In this block it
+    trains as it would anywhere: for a small model of the chief's own (a
+    reference, a baseline) that has nothing to do with the cluster.
+
+    Example:
+
+    >>> import numpy as np, keras, keras_dist as kd
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> with kd.local_fit():
+    ...     history = model.fit(np.ones((8, 2)), np.ones((8, 1)), verbose=0)
+    >>> len(history.history["loss"])
+    1
+    """
     before = getattr(_state, "allowed", False)
     _state.allowed = True
     try:
@@ -71,7 +90,8 @@ def message(task):
         "on every task of the job, and none of them with the others. Hand the training to "
         "keras_dist instead: `history = keras_dist.fit(build_model, x, y, ...)`, or create "
         "a keras_dist.AsyncModel inside `keras_dist.resolve_strategy().scope()` and call "
-        f"its fit.{serving} See docs/asynchronous-training.md.")
+        f"its fit.{serving} (To train a model of this process's own with Keras' fit, "
+        "call it inside `with keras_dist.local_fit():`.) See docs/asynchronous-training.md.")
 
 
 def install(environ=None):

@@ -148,8 +148,16 @@ def choose_strategy(strategy="auto", cluster=None, devices=None, environ=None):
         # runtime, after which MultiWorkerMirrored can no longer be created.
         needs_devices = requested in ("auto", "one_device", "mirrored") and not (
             requested == "auto" and implied is not None)
+        if requested == "mirrored":
+            _split_cpu(env)  # before anything lists (and so starts) devices
         devices = _local_gpus() if needs_devices else []
         device_word = "GPU"
+        if requested == "mirrored" and not devices:
+            # No GPU: mirror over this machine's logical CPUs when it has
+            # several (KERAS_DIST_CPU_REPLICAS=N makes them).
+            cpus = [d.name for d in tf.config.list_logical_devices("CPU")]
+            devices = cpus if len(cpus) > 1 else []
+            device_word = "CPU"
     else:
         device_word = "device"
     devices = tuple(devices)
@@ -378,6 +386,38 @@ def _multi_worker(cluster, connect_timeout=120.0):
 
 def _local_gpus():
     return [d.name for d in tf.config.list_logical_devices("GPU")]
+
+
+CPU_REPLICAS_ENV = "KERAS_DIST_CPU_REPLICAS"
+"""With `KERAS_DIST_STRATEGY=mirrored` (or `strategy="mirrored"`) on a machine
+without GPUs: split the CPU into this many logical devices and mirror over
+them, to try a multi-replica run on a laptop (the script unchanged)."""
+
+
+def _split_cpu(env):
+    """Splits the CPU into `KERAS_DIST_CPU_REPLICAS` logical devices, if set."""
+    raw = env.get(CPU_REPLICAS_ENV, "").strip()
+    if raw:
+        try:
+            count = int(raw)
+        except ValueError:
+            count = 0
+        if count < 1:
+            raise ValueError(
+                f"{CPU_REPLICAS_ENV}={raw!r}: expected a whole number of CPU replicas >= 1 "
+                f"(e.g. {CPU_REPLICAS_ENV}=2), or unset it.")
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        try:
+            tf.config.set_logical_device_configuration(
+                cpu, [tf.config.LogicalDeviceConfiguration()] * count)
+        except RuntimeError:  # TF's runtime already started: keep what it has
+            pass
+        have = len(tf.config.list_logical_devices("CPU"))
+        if have != count:
+            raise RuntimeError(
+                f"{CPU_REPLICAS_ENV}={count}, but TensorFlow's runtime already started "
+                f"with {have} logical CPU(s). Call keras_dist.resolve_strategy() first "
+                "thing in the script, before anything creates a tensor or a model.")
 
 
 def _check_name(value, field):

@@ -158,7 +158,7 @@ def fit(model, x=None, y=None, *, strategy="auto", cluster=None, nonfinite_updat
     keras_fit = model.fit
     if isinstance(model, AsyncModel):  # its own fit comes back here off parameter servers
         keras_fit = functools.partial(keras.Model.fit, model)
-    with _plain_fit.allowed():  # a strategy chosen on purpose, even on a ps cluster
+    with _plain_fit.local_fit():  # a strategy chosen on purpose, even on a ps cluster
         return fit_synchronously(model, dist, keras_fit, x, y, setup, **fit_kwargs)
 
 

@@ -49,6 +49,14 @@ def test_two_workers_train_in_sync(tmp_path, input_mode):
         assert losses[-1] < 0.5 * losses[0], losses
         assert "val_accuracy" in info["history"]
         assert info["test_accuracy"] >= 0.9, info["test_accuracy"]
+        # model.evaluate / model.predict after kd.fit work (Keras' own fail
+        # here) and agree with kd.evaluate / kd.predict.
+        assert info["own_evaluate"]["accuracy"] == pytest.approx(info["test_accuracy"])
+        assert info["predict_shape"] == [360, 10] and info["same_predictions"]
+        assert info["predict_accuracy"] == pytest.approx(info["test_accuracy"], abs=1e-6)
+        # The version is the optimizer's step count; nothing was stale.
+        assert info["version"] == info["iterations"] > 0
+        assert info["staleness"] == {"staleness_mean": 0.0, "staleness_max": 0}
     for a, b in zip(results[0]["weights"], results[1]["weights"]):
         np.testing.assert_array_equal(a, b)
     # Metrics are aggregated over both workers, so both report the same numbers.

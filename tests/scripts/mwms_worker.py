@@ -42,12 +42,23 @@ def main(out_dir):
                      validation_data=(x_test, y_test), verbose=0, **data)
     model = history.model
     loss, acc = kd.evaluate(model, x_test, y_test, verbose=0)
+    # Keras' own evaluate / predict fail here (PerReplica); after kd.fit the
+    # model's are keras_dist's.
+    own = model.evaluate(x_test, y_test, return_dict=True, verbose=0)
+    predicted = model.predict(x_test, batch_size=50, verbose=0)
+    same_predictions = bool(np.array_equal(predicted, kd.predict(model, x_test, verbose=0)))
     task = json.loads(os.environ["TF_CONFIG"])["task"]
     name = f"{task['type']}{task['index']}"
     np.savez(os.path.join(out_dir, f"{name}.npz"), *model.get_weights())
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump({"history": history.history, "test_accuracy": acc,
-                   "test_loss": loss,
+                   "test_loss": loss, "own_evaluate": own,
+                   "predict_shape": list(predicted.shape),
+                   "predict_accuracy": float((predicted.argmax(1) == y_test).mean()),
+                   "same_predictions": same_predictions,
+                   "version": model.version,
+                   "iterations": int(model.optimizer.iterations.numpy()),
+                   "staleness": model.staleness_stats.logs(),
                    "replicas": strategy.num_replicas_in_sync}, f)
 
 

@@ -49,7 +49,9 @@ def one_execution():
     remote.set_weights(init)
     remote.fit(X[:32 * K], Y[:32 * K], batch_size=32, epochs=1, steps_per_epoch=K,
                shuffle=False, verbose=0)
-    local.fit(X[:32 * K], Y[:32 * K], batch_size=32, epochs=1, shuffle=False, verbose=0)
+    with kd.local_fit():  # the chief's own reference model
+        local.fit(X[:32 * K], Y[:32 * K], batch_size=32, epochs=1, shuffle=False,
+                  verbose=0)
     [worker] = remote.staleness_stats.updates_per_worker()
     keras_momenta = [m.numpy() for m in local.optimizer.variables if "momentum" in m.path]
     velocities = [v.numpy() for v in remote.optimizer.velocities]

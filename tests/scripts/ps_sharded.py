@@ -134,7 +134,9 @@ def equal():
             "sharded_variables": [v.path for v in runs[True].weights if kd.sharded.is_sharded(v)],
         }
         if name not in WRAPPERS:  # Keras' own fit has no staleness to give them
-            local.fit(X[:32 * K], Y[:32 * K], batch_size=32, epochs=1, shuffle=False, verbose=0)
+            with kd.local_fit():  # the chief's own reference model
+                local.fit(X[:32 * K], Y[:32 * K], batch_size=32, epochs=1, shuffle=False,
+                          verbose=0)
             result["sharded_vs_keras"] = max_diff(runs[True].weights, local.weights)
             result["slots_sharded_vs_keras"] = max_diff(
                 runs[True].optimizer.variables, local.optimizer.variables)

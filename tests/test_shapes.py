@@ -1,0 +1,121 @@
+"""One script, every cluster shape (issue 32, item 1).
+
+Each "complete script" of the docs (a block marked
+`<!-- docs-test: complete-script -->` in README.md and docs/) runs unchanged
+
+- in one process with no cluster,
+- with Mirrored over 2 logical CPUs (`KERAS_DIST_STRATEGY=mirrored
+  KERAS_DIST_CPU_REPLICAS=2`),
+- under `keras-dist-run --workers 2` (MultiWorkerMirrored),
+- under `keras-dist-run --workers 2 --ps 1` (parameter servers),
+
+and must exit 0 with its test accuracy (a dict it prints, or the
+evaluation's progress line) in what the chief (or the single process)
+printed last. The runs start together, two at a time, when the first test
+needs them (a cluster run takes ~20-40 s here).
+"""
+
+import concurrent.futures
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+import docblocks
+from docblocks import REPO
+
+pytestmark = pytest.mark.multiprocess
+
+SHAPES = {
+    "one_process": ([], {}),
+    "mirrored": ([], {"KERAS_DIST_STRATEGY": "mirrored", "KERAS_DIST_CPU_REPLICAS": "2"}),
+    "multi_worker": (["--workers", "2"], {}),
+    "parameter_server": (["--workers", "2", "--ps", "1"], {}),
+}
+TIMEOUT = 300
+# The chief's (or the only process's) accuracy: a printed dict, or Keras'
+# evaluation progress line ("... accuracy: 0.9611 - loss: 0.1302").
+ACCURACY = re.compile(r"['\"]?accuracy['\"]?\s*:\s*(0\.\d+|1\.0+)")
+
+
+def _complete_scripts():
+    found = []
+    for page in docblocks.PAGES:
+        for block in docblocks.parse_page(page):
+            if block.kind == "python" and block.marker("complete-script") is not None:
+                found.append(block)
+    return found
+
+
+SCRIPTS = _complete_scripts()
+_TF_LOG = re.compile(r"^([IWE]\d{4} |WARNING: All log messages|\[keras-dist-run\])")
+_jobs = {}
+
+
+def _run(block, shape):
+    args, extra = SHAPES[shape]
+    work = tempfile.mkdtemp(prefix="kd-shape-")
+    script = os.path.join(work, "train.py")
+    with open(script, "w") as f:
+        f.write(block.code)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TF_CONFIG", "KERAS_DIST_STRATEGY", "KERAS_DIST_CPU_REPLICAS")}
+    env.update(extra, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join([REPO, env.get("PYTHONPATH", "")]))
+    if args:
+        command = [sys.executable, "-m", "keras_dist.launch", *args, "--max-restarts", "0",
+                   "--", sys.executable, script]
+    else:
+        command = [sys.executable, script]
+    try:
+        out = subprocess.run(command, cwd=work, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT,
+                             start_new_session=True)
+    except subprocess.TimeoutExpired as error:
+        return None, f"timed out after {TIMEOUT} s:\n{error.stdout}"
+    return out.returncode, out.stdout
+
+
+def _job(block, shape):
+    if not _jobs:
+        pool = concurrent.futures.ThreadPoolExecutor(2)
+        for b in SCRIPTS:
+            for s in SHAPES:
+                _jobs[(b.where, s)] = pool.submit(_run, b, s)
+        pool.shutdown(wait=False)
+    return _jobs[(block.where, shape)].result()
+
+
+def _leader_lines(output, shape):
+    """What the chief (or the single process) printed, in order."""
+    lines = output.splitlines()
+    if shape in ("one_process", "mirrored"):
+        return lines
+    leader = "[chief:0] " if shape == "parameter_server" else "[worker:0] "
+    return [line[len(leader):] for line in lines if line.startswith(leader)]
+
+
+def test_the_docs_have_complete_scripts():
+    pages = sorted({b.page for b in SCRIPTS})
+    assert {"README.md", "docs/getting-started.md",
+            "docs/asynchronous-training.md"} <= set(pages), pages
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("block", SCRIPTS, ids=[b.where for b in SCRIPTS])
+def test_a_complete_script_runs_unchanged_in_every_shape(block, shape):
+    code, output = _job(block, shape)
+    assert code == 0, f"{block.where} as {shape}: exit {code}\n{output[-6000:]}"
+    lines = [line for line in _leader_lines(output, shape)
+             if line.strip() and not _TF_LOG.match(line)]
+    tail = lines[-3:]
+    assert any(ACCURACY.search(line) for line in tail), (
+        f"{block.where} as {shape}: no accuracy in the last lines:\n" + "\n".join(tail)
+        + "\n---\n" + output[-4000:])
+    expected = {"one_process": "using default strategy", "mirrored": "using mirrored strategy",
+                "multi_worker": "using multi_worker strategy",
+                "parameter_server": "using parameter_server strategy"}[shape]
+    assert expected in output, output[-4000:]
