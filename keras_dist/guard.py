@@ -97,9 +97,9 @@ def keras_loop(model, mode, fit, *args, **kwargs):
     >>> from keras_dist import guard
     >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     >>> model.compile(optimizer="sgd", loss="mse")
-    >>> x = np.array([[1.0, 2.0], [np.nan, 1.0]] * 4)
+    >>> x = np.array([[1.0, 2.0]] * 4 + [[np.nan, 1.0]] * 4)  # batches 3 and 4: NaN
     >>> history = guard.keras_loop(model, "skip", model.fit, x, np.ones((8, 1)),
-    ...                            batch_size=2, epochs=1, verbose=0)
+    ...                            batch_size=2, shuffle=False, verbose=0)
     >>> bool(np.isfinite(model.get_weights()[0]).all())
     True
     >>> history.history["skipped_nonfinite"]

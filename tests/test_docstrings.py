@@ -38,6 +38,8 @@ MODULES = (
     "keras_dist.sync_executor",
     "keras_dist.driver",
     "keras_dist.update",
+    "keras_dist.guard",
+    "keras_dist._plain_fit",
     "keras_dist.step_report",
     "keras_dist.optimizers",
     "keras_dist.optimizers.base",
