@@ -3,8 +3,8 @@
 Used by tests/test_docs_examples.py, whose docstring describes the markers.
 This module parses the pages (`parse_page`), groups a page's Python blocks
 into scripts (`scripts`: a block and the `continue` blocks after it), runs
-one such script (`python tests/docblocks.py session BLOCKS.json`, one fresh
-process each) and runs shell commands in a sandbox (`Runner`).
+a page's scripts (`python tests/docblocks.py session BLOCKS.json`, one
+process per page, a fresh namespace per script) and runs shell commands in a sandbox (`Runner`).
 """
 
 import collections
@@ -146,7 +146,7 @@ def is_doctest(code):
 
 @dataclasses.dataclass
 class Script:
-    """A Python block and the `continue` blocks after it: one fresh process."""
+    """A Python block and the `continue` blocks after it: one fresh namespace."""
 
     blocks: list
 
@@ -346,19 +346,29 @@ def _kill_group(proc, sig):
 
 # ------------------------------------------------------------------ session
 def run_session(spec_path):
-    """Runs one script's Python blocks in order in this process, in one namespace.
+    """Runs a page's Python scripts in order in this process, each in a fresh
+    namespace of its own.
 
-    The spec is `{"blocks": [{"where", "code", "raises"}]}`: a block and the
-    blocks that continue it, nothing else (no names the reader does not see).
-    Exits 1 at the first block that fails, naming it.
+    The spec is `{"scripts": [[{"where", "code", "raises"}, ...], ...]}`: per
+    script, a block and the blocks that continue it, nothing else (no names
+    the reader does not see). A script stops at its first failing block
+    (named); the others still run. Exits 1 if any block failed.
     """
+    with open(spec_path) as f:
+        spec = json.load(f)
+    failed = 0
+    for blocks in spec["scripts"]:
+        failed += not _run_script(blocks)
+    sys.exit(1 if failed else 0)
+
+
+def _run_script(blocks):
+    """One script's blocks in one fresh namespace; whether all passed."""
     import doctest
     import traceback
 
-    with open(spec_path) as f:
-        spec = json.load(f)
     namespace = {"__name__": "__main__"}
-    for block in spec["blocks"]:
+    for block in blocks:
         where, code, raises = block["where"], block["code"], block["raises"]
         print(f"[docs-test] running {where}", flush=True)
         try:
@@ -378,12 +388,13 @@ def run_session(spec_path):
                 continue
             traceback.print_exc()
             print(f"[docs-test] FAILED {where}: {type(error).__name__}: {error}", flush=True)
-            sys.exit(1)
+            return False
         if raises:
             print(f"[docs-test] FAILED {where}: marked `raises {raises}` but raised "
                   f"nothing", flush=True)
-            sys.exit(1)
+            return False
         print(f"[docs-test] ok {where}", flush=True)
+    return True
 
 
 if __name__ == "__main__":

@@ -6,12 +6,13 @@ defines its own data, model and imports.
 
 What runs how (by the fence's language):
 
-- **python**: each block runs in a fresh process, in a namespace of its own
-  (`python tests/docblocks.py session`), in a fresh work directory. A block
-  marked `continue` runs after the page's previous Python block, in that
-  block's process and namespace (for a `file` or `cluster` block: appended to
-  its script); the reader is told so by a visible line right above it (see
-  `continue` below). A block that starts with `>>>` is a doctest (its output
+- **python**: each block runs in a fresh namespace of its own (no name of
+  another block is there); a page's blocks share one process per page
+  (`python tests/docblocks.py session`, in a fresh work directory), since a
+  process per block imports TensorFlow again each time. A block marked
+  `continue` runs after the page's previous Python block, in that block's
+  namespace (for a `file` or `cluster` block: appended to its script); the
+  reader is told so by a visible line right above it (see `continue` below). A block that starts with `>>>` is a doctest (its output
   is checked).
 - **bash / sh / shell / console**: each block runs with `bash -eo pipefail`
   (for `console`, only its `$ ` lines), in order, in the page's work
@@ -100,6 +101,9 @@ for _page in docblocks.PAGES:
 SCRIPTS, SCRIPT_PROBLEMS = docblocks.scripts(ALL)
 PYTHON_SCRIPTS = {s.where: s for s in SCRIPTS if s.kind == "python"}
 CLUSTERS = {s.where: s for s in SCRIPTS if s.kind == "cluster"}
+PYTHON_PAGES = {}
+for _script in PYTHON_SCRIPTS.values():
+    PYTHON_PAGES.setdefault(_script.head.page, []).append(_script)
 SHELLS = {}
 for _block in ALL:
     if _block.kind == "shell" and _block.marker("skip") is None:
@@ -142,11 +146,14 @@ def _env():
     return env
 
 
-def _python_job(runner, workdirs, where):
-    script = PYTHON_SCRIPTS[where]
-    cwd = workdirs.make(script.head.page, f"python{script.head.line}")
-    spec = {"blocks": [{"where": b.where, "code": b.code, "raises": b.marker("raises")}
-                       for b in script.blocks]}
+def _python_job(runner, workdirs, page):
+    """The page's Python scripts, in order, in one process: each script (a
+    block and the blocks continuing it) in a fresh namespace of its own.
+    One process per page, not per block: each would import TensorFlow again
+    (~4 CPU-s), which doubled the docs test's time."""
+    cwd = workdirs.make(page, "python")
+    spec = {"scripts": [[{"where": b.where, "code": b.code, "raises": b.marker("raises")}
+                         for b in script.blocks] for script in PYTHON_PAGES[page]]}
     spec_path = os.path.join(cwd, ".docs-test-session.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
@@ -378,15 +385,18 @@ def test_data_block_parses(block):
 # ---------------------------------------------------------------- python
 @pytest.mark.multiprocess
 @pytest.mark.timeout(JOB_WAIT)
-@pytest.mark.parametrize("key", sorted(PYTHON_SCRIPTS))
+@pytest.mark.parametrize("key", sorted(PYTHON_PAGES))
 def test_python_blocks(key, jobs):
     result = jobs.result(("_python_job", key))
     _report(key, "Python blocks", result)
-    assert result.rc == 0, f"{key}: a Python block failed (exit {result.rc}):\n{_tail(result.out)}"
-    for b in PYTHON_SCRIPTS[key].blocks:
-        assert f"[docs-test] ok {b.where}" in result.out or (
-            f"[docs-test] {b.where} raised" in result.out), (
-            f"{b.where} did not run:\n{_tail(result.out)}")
+    failed = re.findall(r"^\[docs-test\] FAILED .*$", result.out, flags=re.MULTILINE)
+    assert result.rc == 0 and not failed, (
+        f"{key}: Python block(s) failed (exit {result.rc}): {failed}\n{_tail(result.out)}")
+    for script in PYTHON_PAGES[key]:
+        for b in script.blocks:
+            assert f"[docs-test] ok {b.where}" in result.out or (
+                f"[docs-test] {b.where} raised" in result.out), (
+                f"{b.where} did not run:\n{_tail(result.out)}")
 
 
 # ---------------------------------------------------------------- cluster
