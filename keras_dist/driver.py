@@ -167,6 +167,11 @@ def fit(executor, x=None, y=None, *, batch_size=None, epochs=1,
     """
     model = executor.model
     verbose = resolve_verbose(verbose, executor.parameter_server, executor.is_chief)
+    epochs = _keras_limit(epochs, "max_epochs", "Limiting epochs to %d")
+    steps_per_epoch = _keras_limit(steps_per_epoch, "max_steps_per_epoch",
+                                   "Limiting steps_per_epoch to %d")
+    validation_steps = _keras_limit(validation_steps, "max_steps_per_epoch",
+                                    "Limiting steps_per_epoch to %d")
     data_lib.check_fit_counts(
         batch_size=batch_size, epochs=epochs, initial_epoch=initial_epoch,
         steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
@@ -280,6 +285,7 @@ def evaluate(executor, x=None, y=None, *, batch_size=None,
     """Evaluates `executor.model`; `keras.Model.evaluate`'s arguments."""
     model = executor.model
     verbose = resolve_verbose(verbose, False, executor.is_chief)
+    steps = _keras_limit(steps, "max_steps_per_epoch", "Limiting steps_per_epoch to %d")
     data_lib.check_fit_counts(batch_size=batch_size, steps=steps)
     val = executor.eval_input(x, y, sample_weight, batch_size=batch_size, steps=steps)
     if not isinstance(callbacks, keras.callbacks.CallbackList):
@@ -291,6 +297,19 @@ def evaluate(executor, x=None, y=None, *, batch_size=None,
         return logs
     values = [logs[name] for name in ordered_names(model, logs)]
     return values[0] if len(values) == 1 else values
+
+
+def _keras_limit(value, setting, message):
+    """`value` capped by Keras' debugging limit `keras.config.<setting>()`
+    (`set_max_epochs`, `set_max_steps_per_epoch`, or the `KERAS_MAX_*`
+    variables), with Keras' warning; a `None` value (no count given) takes
+    the limit, as Keras' epoch iterator does."""
+    limit = getattr(keras.config, setting, lambda: None)()
+    if limit and (value is None or limit < value):
+        if value is not None or setting == "max_steps_per_epoch":
+            warnings.warn(message % limit, stacklevel=3)
+        return limit
+    return value
 
 
 def predict_here(model, x, *, batch_size=None, verbose="auto", steps=None, callbacks=None):
@@ -356,11 +375,17 @@ def build_for_training(model, strategy, sample_batch, build_optimizer=True):
     import keras as keras_lib
 
     with strategy.scope():
-        x, y, sample_weight = keras_lib.utils.unpack_x_y_sample_weight(sample_batch)
-        y_pred = model(x, training=False)
-        if y is not None:
-            model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
-            model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        # As Keras' symbolic build: only what is not built yet, and the loss
+        # with training=False (an overridden compute_loss sees what Keras
+        # shows it, nothing more).
+        unbuilt = not model.built or any(not getattr(m, "built", True) for m in model.metrics)
+        if unbuilt:
+            x, y, sample_weight = keras_lib.utils.unpack_x_y_sample_weight(sample_batch)
+            y_pred = model(x, training=False)
+            if y is not None:
+                model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                                   training=False)
+                model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         if build_optimizer and model.optimizer is not None and not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
         model.reset_metrics()
@@ -455,5 +480,16 @@ def pythonify(value):
 
 
 def ordered_names(model, logs):
-    first = [m.name for m in model.metrics if m.name in logs]
+    """Keras' order of `evaluate`'s list result (`_flatten_metrics_in_order`):
+    the model's metrics, the compiled ones expanded in compile order (`loss,
+    mse, mae` for `metrics=["mse", "mae"]`), then any other name sorted."""
+    names = []
+    for metric in model.metrics:
+        inner = getattr(metric, "metrics", None)  # Keras' compiled metrics container
+        if isinstance(inner, (list, tuple)) and all(
+                isinstance(m, keras.metrics.Metric) for m in inner):
+            names += [m.name for m in inner]
+        else:
+            names.append(metric.name)
+    first = [name for name in dict.fromkeys(names) if name in logs]
     return first + sorted(set(logs) - set(first))

@@ -86,7 +86,7 @@ class SyncExecutor(driver.Executor):
     # -------------------------------------------------------------- training
     def begin_training(self, train_input, callbacks):
         model = self.model
-        _check_supported(model.optimizer, self.strategy)
+        _check_supported(model.optimizer, self.strategy, model)
         self.policy = update.NonFinitePolicy(self.nonfinite_updates)
         with self.strategy.scope():
             self.policy.build(replicated=True)
@@ -305,14 +305,26 @@ class _StepFunctions:
                 return
             steps = None if reports is None else [
                 replica_cbs.ReplicaStep.from_report(r, "replica", steps=k) for r in reports]
-            yield driver.BatchEnd(begin + k - 1, logs, steps)
+            # Keras' index: an execution's last batch as if it ran all of
+            # `steps_per_execution` (7 batches at 3 per call: 2, 5, 8), also
+            # for a shorter last one.
+            yield driver.BatchEnd(begin + per_call - 1, logs, steps)
             begin += k
 
 
-def _check_supported(optimizer, strategy):
+def _check_supported(optimizer, strategy, model=None):
     """Refuses what cannot match Keras' one-device semantics here."""
     if strategy.num_replicas_in_sync < 2:
         return
+    if model is not None and getattr(model, "jit_compile", False) is True:
+        raise ValueError(
+            f"jit_compile=True is not supported with {strategy.num_replicas_in_sync} "
+            "synchronous replicas: XLA compiles one device's computation, and a step here "
+            "spans every replica's device and their all-reduce (XLA fails with 'Trying to "
+            "access resource ... located in device CPU:1 from device CPU:0'; Keras' own "
+            "model.fit fails under MirroredStrategy too). Compile with jit_compile=False, "
+            "or 'auto' (which Keras turns off under a distribution strategy), or train on "
+            "one device.")
     for o in update.optimizer_chain(optimizer):
         steps = getattr(o, "gradient_accumulation_steps", None)
         if steps:

@@ -10,6 +10,7 @@ and handed down.
 """
 
 import functools
+import inspect
 import logging
 
 import keras
@@ -303,8 +304,21 @@ def _convertible(model):
         return False
 
 
-def _model_in_scope(model, dist):
+def _is_model(model):
+    """Whether `model` is a model (to train as it is), not a function that
+    builds one: a `keras.Model`, or an object with Keras' trainer API
+    (`fit`, `compile`, `variables`) that is not a plain function, as the
+    trainer-mixin models of Keras' own tests are."""
     if isinstance(model, keras.Model):
+        return True
+    if inspect.isfunction(model) or inspect.ismethod(model) or isinstance(
+            model, functools.partial):
+        return False
+    return all(hasattr(model, name) for name in ("fit", "compile", "variables"))
+
+
+def _model_in_scope(model, dist):
+    if _is_model(model):
         _check_compiled(model, "The model passed to keras_dist.fit")
         if _created_in_scope(model, dist):
             return model
@@ -317,7 +331,7 @@ def _model_in_scope(model, dist):
         )
     with dist.scope():
         built = model()
-    if not isinstance(built, keras.Model):
+    if not _is_model(built):
         raise TypeError(
             f"The model function {getattr(model, '__name__', model)!r} must "
             f"return a keras.Model; it returned {type(built).__name__}."
@@ -340,9 +354,12 @@ def _created_in_scope(model, dist):
     if dist is tf.distribute.get_strategy() and not tf.distribute.has_strategy():
         return True  # the default strategy: nothing to place
     variables = model.variables
-    return bool(variables) and all(
-        dist.extended.variable_created_in_scope(v.value) for v in variables
-    )
+    if not variables:
+        # Not built yet (a Sequential without Input, a subclassed model):
+        # Keras keeps the strategy it was created under, and its variables
+        # will be created there when it is built.
+        return getattr(model, "distribute_strategy", None) is dist
+    return all(dist.extended.variable_created_in_scope(v.value) for v in variables)
 
 
 def _recreate(model, dist):

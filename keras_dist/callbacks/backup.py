@@ -303,8 +303,13 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
-        steps = batch + 1 - self._done
-        self._done = batch + 1
+        # Keras numbers a short last execution as a whole one (7 batches at
+        # 3 per call end at batch 8): the steps done are at most the epoch's.
+        done = batch + 1
+        if (self.params or {}).get("steps"):
+            done = min(done, int(self.params["steps"]))
+        steps = done - self._done
+        self._done = done
         self._since += steps
         # Under MultiWorkerMirrored: agree at the first batch end past each
         # multiple of CHECK_EVERY steps (the same batch ends on every worker).

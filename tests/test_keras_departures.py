@@ -1,0 +1,179 @@
+"""What Keras' own fit tests found `kd.fit` doing differently (issue 37).
+
+Each test is one departure, reproduced as Keras' own test shows it, with
+`kd.fit` / `kd.evaluate` under Mirrored over two logical CPUs against
+Keras' `model.fit` / `model.evaluate` on one device (tests/conftest.py
+splits the CPU). The input-side departures (lists, generators, arrays with
+`steps_per_epoch`) are in tests/test_inputs.py.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_dist as kd
+from keras_dist import driver
+
+CPUS = ["/cpu:0", "/cpu:1"]
+
+
+@pytest.fixture(scope="module")
+def mirrored():
+    return kd.resolve_strategy("mirrored", devices=CPUS)
+
+
+def _xy(n=40):
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(n, 3)).astype("float32"), rng.normal(size=(n, 2)).astype("float32")
+
+
+@pytest.mark.parametrize("form", ["sequential_without_input", "subclassed"])
+def test_an_unbuilt_model_made_in_the_scope_is_trained_itself(mirrored, form):
+    """It was cloned (no variables yet, so 'not created in the scope'): the
+    caller's model stayed untrained, and a subclassed one failed to re-create."""
+    x, y = _xy()
+
+    class Subclassed(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(2)
+
+        def call(self, inputs):
+            return self.dense(inputs)
+
+    with mirrored.scope():
+        model = (keras.Sequential([keras.layers.Dense(2)]) if form != "subclassed"
+                 else Subclassed())
+        model.compile("sgd", "mse")
+    assert not model.built
+    history = kd.fit(model, x, y, strategy=mirrored, epochs=2, batch_size=8, verbose=0)
+    assert history.model is model and model.built
+    assert int(model.optimizer.iterations.numpy()) == 10
+
+
+def test_evaluate_lists_metrics_in_compile_order(mirrored):
+    """Keras: [loss, mse, mae] for metrics=["mse", "mae"]; kd.evaluate gave
+    them alphabetically, values swapped without a word."""
+    x, y = _xy()
+
+    def build():
+        keras.utils.set_random_seed(2)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        model.compile("sgd", "mse", metrics=["mse", "mae"])
+        return model
+
+    with mirrored.scope():
+        ours = build()
+    theirs = build()
+    mse = keras.metrics.MeanSquaredError()(y, theirs.predict(x, verbose=0))
+    mae = keras.metrics.MeanAbsoluteError()(y, theirs.predict(x, verbose=0))
+    expected = theirs.evaluate(x, y, verbose=0)
+    got = kd.evaluate(ours, x, y, strategy=mirrored, verbose=0)
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    np.testing.assert_allclose(got[1:], [float(mse), float(mae)], rtol=1e-5)
+    assert driver.ordered_names(ours, {"loss": 0, "mae": 0, "mse": 0, "zz": 0}) == [
+        "loss", "mse", "mae", "zz"]
+
+
+class _Batches(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.ends = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.ends.append(batch)
+
+
+def test_batch_indices_with_steps_per_execution_are_keras(mirrored):
+    """7 batches at 3 per execution: Keras reports 2, 5, 8 (a short last
+    execution numbered as a whole one); kd.fit reported 2, 5, 6."""
+    x, y = _xy(56)
+
+    def build():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        model.compile("sgd", "mse", steps_per_execution=3)
+        return model
+
+    theirs, ours = _Batches(), _Batches()
+    build().fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[theirs])
+    kd.fit(build, x, y, strategy=mirrored, batch_size=8, epochs=1, shuffle=False, verbose=0,
+           callbacks=[ours])
+    assert theirs.ends == [2, 5, 8]
+    assert ours.ends == theirs.ends
+
+
+def test_keras_debug_limits_on_epochs_and_steps_apply(mirrored):
+    """keras.config.set_max_epochs / set_max_steps_per_epoch were ignored."""
+    x, y = _xy(80)
+
+    def build():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        model.compile("sgd", "mse")
+        return model
+
+    keras.config.set_max_epochs(2)
+    keras.config.set_max_steps_per_epoch(3)
+    try:
+        with pytest.warns(UserWarning, match="Limiting"):
+            history = kd.fit(build, x, y, strategy=mirrored, batch_size=8, epochs=4,
+                             verbose=0)
+        reference = build().fit(x, y, batch_size=8, epochs=4, verbose=0)
+    finally:
+        keras.config.set_max_epochs(None)
+        keras.config.set_max_steps_per_epoch(None)
+    assert len(history.history["loss"]) == len(reference.history["loss"]) == 2
+    assert int(history.model.optimizer.iterations.numpy()) == 6
+
+
+def test_evaluate_builds_without_a_training_loss(mirrored):
+    """An overridden compute_loss sees training=False only, as in Keras
+    (kd.evaluate's build step called it with training=True)."""
+    x, y = _xy()
+    seen = {}
+
+    class Recording(keras.Sequential):
+        def compute_loss(self, *args, training=True, **kwargs):
+            seen.setdefault(self.name, []).append(training)
+            return super().compute_loss(*args, training=training, **kwargs)
+
+    def build(name):
+        model = Recording([keras.Input((3,)), keras.layers.Dense(2)], name=name)
+        model.compile("sgd", "mse")
+        return model
+
+    build("keras").evaluate(x, y, batch_size=8, verbose=0)
+    with mirrored.scope():
+        ours = build("ours")
+    kd.evaluate(ours, x, y, strategy=mirrored, batch_size=8, verbose=0)
+    assert set(seen["keras"]) == {False}
+    assert set(seen["ours"]) == {False}
+
+
+def test_jit_compile_under_several_replicas_is_refused_clearly(mirrored):
+    x, y = _xy()
+
+    def build():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        model.compile("sgd", "mse", jit_compile=True)
+        return model
+
+    with pytest.raises(ValueError, match="jit_compile=True is not supported with 2 "
+                       "synchronous replicas"):
+        kd.fit(build, x, y, strategy=mirrored, epochs=1, verbose=0)
+
+
+def test_a_trainer_mixin_model_is_a_model_not_a_function():
+    """Keras' own tests train layers that mix in Keras' trainer; kd.fit took
+    them for a model-building function (TypeError: missing 'inputs')."""
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    class Trainable(TensorFlowTrainer, keras.layers.Dense):
+        def __init__(self, units):
+            keras.layers.Dense.__init__(self, units)
+            TensorFlowTrainer.__init__(self)
+
+    x, y = _xy()
+    model = Trainable(2)
+    model.compile("sgd", "mse")
+    history = kd.fit(model, x, y, strategy="default", epochs=2, batch_size=8, verbose=0)
+    assert history.model is model and len(history.history["loss"]) == 2
