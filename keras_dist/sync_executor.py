@@ -115,15 +115,22 @@ class SyncExecutor(driver.Executor):
         self._start, self._positioned = step, True
 
     def train_epoch(self, train_input):
-        if not train_input.repeats and not self._positioned:
+        steps, fresh = train_input.steps, None
+        if train_input.passes is not None:  # Keras' rule: which pass this epoch reads
+            fresh, steps = train_input.passes.begin_epoch(positioned=self._positioned)
+        elif not train_input.repeats and not self._positioned:
+            fresh = train_input.dataset
+        if fresh is not None:
             data_lib.release_iterator(self._iterator)  # last epoch's, off this thread
             self._iterator = None
-            self._iterator = iter(train_input.dataset)
+            self._iterator = iter(fresh)
         start, self._start, self._positioned = self._start, 0, False
         self.ran_out = False
         self._train_fns.restart_stall_count()
-        for event in self._train_fns.steps(self._iterator, train_input.steps, start=start):
+        for event in self._train_fns.steps(self._iterator, steps, start=start):
             yield event
+        if train_input.passes is not None:  # a dry input ends the epoch, not training
+            train_input.passes.end_epoch(ran_out=self._train_fns.ran_out)
         self.ran_out = self._train_fns.ran_out and train_input.repeats
 
     def evaluate(self, eval_input, callbacks):
@@ -230,6 +237,9 @@ class _StepFunctions:
             # (`do_not_convert` in its TF trainer); `run` is (tf.data
             # refuses more than 32 `next` calls in an unconverted function).
             replica_fn = tf.autograph.experimental.do_not_convert(self._replica_fn())
+            if not self._instrument and k > 1 and not self.model.run_eagerly:
+                self._functions[k] = self._looped(replica_fn, k)
+                return self._functions[k]
 
             def run(iterator, stalled=None):
                 records = []
@@ -257,6 +267,35 @@ class _StepFunctions:
                 run if self.model.run_eagerly
                 else tf.function(run, jit_compile=bool(self.model.jit_compile)))
         return self._functions[k]
+
+    def _looped(self, replica_fn, k):
+        """`k` steps in a `tf.while_loop` around one compiled step, as Keras'
+        own multi-step function: the model's step is traced once per replica
+        whatever `k` (unrolled, it was traced k times per replica: compile
+        time grew with steps_per_execution). The step's logs are reduced in
+        it, so the loop carries plain tensors."""
+        strategy = self._strategy
+        step = self.__dict__.get("_one_step")
+        if step is None:  # one for every k: the last, shorter execution reuses it
+
+            @tf.autograph.experimental.do_not_convert
+            def step(data):
+                outputs = strategy.run(replica_fn, args=(data,))
+                return tf.nest.map_structure(
+                    lambda v: strategy.reduce("MEAN", v, axis=None), outputs)
+
+            step = self._one_step = tf.function(step, reduce_retracing=True)
+
+        @tf.autograph.experimental.do_not_convert
+        def run(iterator):
+            logs = step(next(iterator))
+
+            def body(i, logs):
+                return i + 1, step(next(iterator))
+
+            return tf.while_loop(lambda i, _: i < k, body, (tf.constant(1), logs))[1]
+
+        return tf.function(run)
 
     def _call(self, k, iterator):
         optimizer = self.model.optimizer if self._train else None

@@ -177,3 +177,30 @@ def test_a_trainer_mixin_model_is_a_model_not_a_function():
     model.compile("sgd", "mse")
     history = kd.fit(model, x, y, strategy="default", epochs=2, batch_size=8, verbose=0)
     assert history.model is model and len(history.history["loss"]) == 2
+
+
+def test_steps_per_execution_traces_the_step_once_per_replica(mirrored):
+    """An execution of k steps loops around one compiled step, as Keras'
+    does; unrolled, the step was traced k times per replica."""
+    x, y = _xy(80)
+    traces = []
+
+    class Counting(keras.Sequential):
+        def train_step(self, data):
+            traces.append(1)
+            return super().train_step(data)
+
+    def build():
+        keras.utils.set_random_seed(4)
+        model = Counting([keras.Input((3,)), keras.layers.Dense(2)])
+        model.compile("sgd", "mse", steps_per_execution=4)
+        return model
+
+    # 10 batches: executions of 4, 4 and 2 steps.
+    history = kd.fit(build, x, y, strategy=mirrored, batch_size=8, epochs=2, shuffle=False,
+                     verbose=0)
+    assert len(traces) == 2  # one per replica, for every k
+    reference = build()
+    reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    for ours, theirs in zip(history.model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(ours, theirs, atol=1e-6)
