@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test docs bench dist compat clean
+.PHONY: demo test docs bench dist compat keras-suite clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,11 @@ dist: $(STAMP)
 PAIRS ?= all
 compat: dist
 	$(PY) tools/compat.py --pairs $(PAIRS)
+
+## keras-suite: Keras' own fit tests (its sdist's trainer_test and fit callbacks' tests) with no strategy,
+## under Mirrored (2 logical CPUs) and under Mirrored through kd.fit; summary in logs/keras-suite.md
+keras-suite: $(STAMP)
+	$(PY) tools/keras_suite.py --out=logs/keras-suite.md
 
 clean:
 	rm -rf $(VENV) site build dist *.egg-info
