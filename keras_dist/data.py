@@ -1,19 +1,25 @@
 """Input pipelines for the training loop `keras_dist` owns.
 
-Turns what a user hands to `fit` (arrays, a `tf.data.Dataset`, or a
-`dataset_fn(input_context)`) into a distributed dataset sharded the TF way,
-plus the number of steps in one pass over it. Only used where Keras' own
-data handling cannot be (see `keras_dist.driver`).
+Turns what a user hands to `fit` (arrays or a list / tuple / dict of them, a
+`tf.data.Dataset`, a `dataset_fn(input_context)`, a Python generator, a
+`keras.utils.PyDataset`, or a `tf.distribute.DistributedDataset`) into a
+distributed dataset sharded the TF way, plus the number of steps in one pass
+over it and `Passes`, Keras' rule for which pass each epoch reads. Only used
+where Keras' own data handling cannot be (see `keras_dist.driver`).
 """
 
 import atexit
 import dataclasses
+import itertools
 import math
 import numbers
 import queue
 import threading
+import types
+import warnings
 from typing import Any, Optional
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -39,7 +45,11 @@ class DistributedInput:
             positioned where an uninterrupted run stands before that step
             of that 0-based epoch (resuming from a mid-epoch backup), or
             `None`. With `repeats` it serves every later epoch too; without,
-            only the rest of that epoch.
+            only the rest of that epoch. With `passes`, it is `passes.seek`.
+        passes: `Passes` or `None`. Training: which pass over the input
+            each epoch reads and how many steps it takes (Keras' rule); an
+            executor that follows it takes its iterators from it and ignores
+            `dataset` and `repeats`.
     """
 
     dataset: Any
@@ -47,6 +57,7 @@ class DistributedInput:
     repeats: bool = False
     sample: Any = None
     at: Any = None
+    passes: Any = None
 
 
 def is_dataset_fn(x):
@@ -70,6 +81,13 @@ def split_validation(arrays, validation_split):
             "`validation_split` must be in the range (0, 1). Received: "
             f"validation_split={validation_split}."
         )
+    unsplittable = sorted({type(a).__name__ for a in tf.nest.flatten(arrays)
+                           if not _is_array_like(a)})
+    if unsplittable:
+        raise ValueError(
+            "`validation_split` is only supported for arrays (NumPy arrays, tensors, "
+            f"or lists / tuples / dicts of them). Received: {', '.join(unsplittable)}. "
+            "Pass `validation_data` instead.")
     n = num_samples(arrays)
     split_at = int(n * (1.0 - validation_split))
     if split_at in (0, n):
@@ -116,14 +134,48 @@ def from_arrays(x, y=None, sample_weight=None, *, batch_size=None, shuffle=True,
 
 
 def _training_arrays(x, y, sample_weight, class_weight):
-    """`(x[, y[, sample_weight]])`, the class weights folded into the sample weights."""
+    """`(x[, y[, sample_weight]])` as Keras' array adapter packs them
+    (`keras/src/trainers/data_adapters/array_data_adapter.py`): a list is a
+    structure (several inputs or outputs, made a tuple), never one tensor; one
+    `sample_weight` array weights every output of a nested `y`; the class
+    weights become the sample weights."""
+    x, y, sample_weight = keras.tree.lists_to_tuples((x, y, sample_weight))
+    if sample_weight is not None and class_weight is not None:
+        raise ValueError(
+            "`class_weight` and `sample_weight` cannot both be given (Keras' fit refuses "
+            "them together too). Multiply the class weights into `sample_weight`.")
+    if sample_weight is not None and keras.tree.is_nested(y):
+        if keras.tree.is_nested(sample_weight):
+            try:
+                keras.tree.assert_same_structure(y, sample_weight)
+            except (ValueError, TypeError):
+                raise ValueError(
+                    "Pass one `sample_weight` array per output in `y`: their structures "
+                    f"differ. Received: y with {len(tf.nest.flatten(y))} arrays and "
+                    f"sample_weight with {len(tf.nest.flatten(sample_weight))}.") from None
+        else:
+            shape = np.shape(sample_weight)
+            if not (len(shape) == 1 or (len(shape) == 2 and shape[1] == 1)):
+                raise ValueError(
+                    "With several outputs, a single `sample_weight` array must hold one "
+                    f"weight per sample (shape `(samples,)`). Received shape {shape}; pass "
+                    "one array per output for other weights.")
+            sample_weight = keras.tree.map_structure(lambda _: sample_weight, y)
     if class_weight is not None:
         if y is None:
             raise ValueError("`class_weight` needs targets `y`; received y=None.")
-        weights = class_weight_to_sample_weight(y, class_weight)
-        sample_weight = weights if sample_weight is None else (
-            np.asarray(sample_weight, "float32") * weights)
+        if keras.tree.is_nested(y):
+            raise ValueError(
+                "`class_weight` is only supported for models with a single output "
+                f"(as in Keras). Received y with {len(tf.nest.flatten(y))} outputs; pass "
+                "`sample_weight` (one array per output) instead.")
+        sample_weight = class_weight_to_sample_weight(y, class_weight)
     return (x,) if y is None else (x, y) if sample_weight is None else (x, y, sample_weight)
+
+
+def _is_array_like(value):
+    """Keras' `can_slice_array`: `None`, a tensor, or anything with `__array__`."""
+    return value is None or tf.is_tensor(value) or hasattr(value, "__array__")
 
 
 def epoch_stream(x, y=None, sample_weight=None, *, batch_size=None, shuffle=True,
@@ -252,6 +304,157 @@ def release_iterator(iterator):
         _releaser.release(iterator)
 
 
+_RAN_OUT = (
+    "Your input ran out of data: an epoch read fewer than its steps_per_epoch={steps} "
+    "batches, and the next epoch starts a new pass over the input (Keras' rule). Make "
+    "sure that your dataset or generator can generate at least `steps_per_epoch * "
+    "epochs` batches. You may need to use the `.repeat()` function when building your "
+    "dataset.")
+
+
+class Passes:
+    """Which pass over the input each epoch of `fit` reads: Keras 3's rule.
+
+    Keras' epoch iterator (`keras/src/trainers/epoch_iterator.py`,
+    `EpochIterator._enumerate_iterator`) reads the input one pass (one
+    iterator) at a time, and running out of data never ends training:
+
+    - Without `steps_per_epoch`, every epoch starts a new pass and reads it
+      to its end.
+    - With `steps_per_epoch` and a known pass length (arrays, a dataset of
+      known cardinality, a `keras.utils.PyDataset` with a length), an epoch
+      reads at most `steps_per_epoch` batches and goes on with the pass the
+      epoch before left; a pass that ends inside an epoch ends that epoch
+      early (with Keras' "ran out of data" warning), and the next epoch
+      starts a new pass. 10 batches a pass and `steps_per_epoch=4` train
+      epochs of 4, 4, 2, 4, ...; `steps_per_epoch=10`: a whole pass each
+      epoch; 15: 10 each epoch, with the warning.
+    - With `steps_per_epoch` and an unknown length (a Python generator, a
+      filtered dataset), epochs read on from one iterator until it runs
+      dry; that epoch ends there (with the warning) and the next starts a
+      new pass.
+
+    An executor calls `begin_epoch` before and `end_epoch` after each epoch;
+    `seek` positions a resumed run where an uninterrupted one would stand.
+
+    Args:
+        make_pass: Function `make_pass(index, skip)` returning an iterable
+            (a distributed dataset) over pass `index` (0-based) from its
+            batch `skip` on; with `continuous`, going on into the passes
+            after it.
+        num_batches: Integer or `None` (unknown). Batches in one pass.
+        steps_per_epoch: Integer or `None`. `fit`'s `steps_per_epoch`.
+        continuous: Boolean. Whether one iterator of `make_pass` reads every
+            later pass too (a stream of passes); otherwise each pass needs
+            a new one. Defaults to `False`.
+        adapter: `None`, or an object with `on_epoch_begin()` and
+            `on_epoch_end()` (Keras' data adapter of a `PyDataset`), called
+            at each epoch's begin and end as Keras calls them.
+
+    Example:
+
+    >>> from keras_dist.data import Passes
+    >>> passes = Passes(lambda index, skip: f"pass {index}", num_batches=10,
+    ...                 steps_per_epoch=4)
+    >>> passes.begin_epoch()            # a new pass: an iterator from it
+    ('pass 0', 4)
+    >>> passes.end_epoch(ran_out=False)
+    >>> passes.begin_epoch()            # read on from the same iterator
+    (None, 4)
+    >>> passes.end_epoch(ran_out=False)
+    >>> passes.begin_epoch()            # the 2 batches left of the pass
+    (None, 2)
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     passes.end_epoch(ran_out=False)
+    >>> "ran out of data" in str(caught[0].message)
+    True
+    >>> passes.begin_epoch()
+    ('pass 1', 4)
+    """
+
+    def __init__(self, make_pass, num_batches, steps_per_epoch, continuous=False,
+                 adapter=None):
+        self._make = make_pass
+        self.num_batches = num_batches
+        self.steps_per_epoch = steps_per_epoch
+        self.continuous = continuous
+        self._adapter = adapter
+        self._restart()
+
+    def _restart(self):
+        self._pass = -1  # the pass being read
+        self._seen = 0  # its batches read by the end of the current epoch
+        self._open = False  # an iterator over it is being read (and not dry)
+        self._pass_done = False  # every batch of it is read (known length)
+        self._steps = None  # the current epoch's steps
+        self._short = False  # the current epoch ends with its pass, early
+
+    def _advance(self):
+        """Keras' bookkeeping at an epoch's start. Returns `(new_pass,
+        offset)`: whether the epoch starts a new pass, and the batches of
+        its pass read before it."""
+        new_pass = not self._open or self.steps_per_epoch is None or self._pass_done
+        if new_pass:
+            self._pass, self._seen, self._pass_done = self._pass + 1, 0, False
+        offset = self._seen
+        steps = self.steps_per_epoch or self.num_batches  # None: until the data ends
+        if self.num_batches is not None and steps is not None:
+            steps = min(steps, self.num_batches - offset)
+        self._short = self.steps_per_epoch is not None and steps < self.steps_per_epoch
+        self._steps = steps
+        self._seen = offset + (steps or 0)
+        return new_pass, offset
+
+    def begin_epoch(self, positioned=False):
+        """Returns `(fresh, steps)` for the epoch about to run.
+
+        Args:
+            positioned: Boolean. `seek` has given this epoch's iterator.
+
+        Returns:
+            `fresh`: an iterable to take a new iterator from, or `None` to
+            read on from the current one; `steps`: at most this many steps
+            (`None`: until the data ends).
+        """
+        if self._adapter is not None:
+            self._adapter.on_epoch_begin()
+        if positioned:
+            return None, self._steps
+        reopen = not self._open
+        new_pass, _ = self._advance()
+        self._open = True
+        fresh = None
+        if new_pass and (reopen or not self.continuous):
+            fresh = self._make(self._pass, 0)
+        return fresh, self._steps
+
+    def end_epoch(self, ran_out):
+        """Records the end of the epoch: `ran_out` when its iterator ran dry
+        before the epoch's steps (the next epoch then starts a new pass)."""
+        if ran_out:
+            self._open = False
+        if self.steps_per_epoch is not None and (ran_out or self._short):
+            warnings.warn(_RAN_OUT.format(steps=self.steps_per_epoch), stacklevel=3)
+        self._pass_done = self.num_batches is not None and self._seen >= self.num_batches
+        if self._adapter is not None:
+            self._adapter.on_epoch_end()
+
+    def seek(self, epoch, step):
+        """An iterable over what an uninterrupted run reads from `step` of
+        0-based `epoch` on (its data running dry nowhere before); the next
+        `begin_epoch(positioned=True)` is that epoch."""
+        self._restart()
+        for done in range(epoch + 1):
+            new_pass, offset = self._advance()
+            self._open = True
+            if done < epoch:
+                self._pass_done = (self.num_batches is not None
+                                   and self._seen >= self.num_batches)
+        return self._make(self._pass, offset + step)
+
+
 def class_weight_to_sample_weight(y, class_weight):
     """Per-example weights from a `{class_index: weight}` dict."""
     y = np.asarray(y)
@@ -273,111 +476,325 @@ def distribute(strategy, x, y=None, sample_weight=None, *, batch_size=None,
                shuffle=True, class_weight=None, steps=None, what="x", stream=False):
     """Builds the `DistributedInput` for `x` (and `y`, `sample_weight`).
 
+    Each input is read as Keras' `fit` reads it (its data adapters): a list
+    or tuple of arrays is several inputs (or outputs), a generator's or
+    `PyDataset`'s batches are global batches split over the replicas like a
+    dataset's, and `Passes` says which pass each epoch reads.
+
     Args:
         strategy: `tf.distribute.Strategy` to shard for.
-        x: Arrays (or a dict / tuple of them), a `tf.data.Dataset` yielding
-            `(x, y[, sample_weight])` batches of the global batch size, or a
-            `dataset_fn(input_context)` returning per-replica batches.
+        x: Arrays (or a list / tuple / dict of them), a `tf.data.Dataset`
+            yielding `(x, y[, sample_weight])` batches of the global batch
+            size, a `dataset_fn(input_context)` returning per-replica
+            batches, a Python generator or a `keras.utils.PyDataset` of
+            global batches, or a `tf.distribute.DistributedDataset` made by
+            `strategy`.
         steps: Integer or `None`. `steps_per_epoch` / `validation_steps`.
+            For arrays without `batch_size`, the batch size is then
+            `ceil(samples / steps)` (Keras' rule).
         what: String. Argument name used in errors.
         stream: Boolean. Training input: arrays become an `epoch_stream`
-            (one iterator for every epoch, each epoch's order fixed by its
+            (one iterator for every epoch, each pass's order fixed by its
             number), and the result can be positioned (`at`) for a run
             resumed mid-epoch.
+
+    Raises:
+        ValueError: for an input keras_dist cannot read (a torch
+            `DataLoader`, a grain dataset, any other type), naming its type
+            and what to pass instead.
     """
     check_steps(steps)
-    if is_dataset_fn(x):
-        check_nothing_beside_dataset(y, sample_weight, class_weight, what)
+    kind = _input_kind(x, what)
+    if kind == "arrays":
+        return _distribute_arrays(strategy, x, y, sample_weight, batch_size=batch_size,
+                                  shuffle=shuffle, class_weight=class_weight, steps=steps,
+                                  what=what, stream=stream)
+    check_nothing_beside_dataset(y, sample_weight,
+                                 None if kind == "py_dataset" else class_weight, what,
+                                 kind=_KIND_NAMES[kind])
+    adapter = None
+    if kind == "dataset_fn":
         if steps is None:
             raise ValueError(
                 f"`{what}` is a dataset_fn, whose length keras_dist cannot know "
                 "in advance; pass `steps_per_epoch` (and `validation_steps` for "
                 "validation) and make the dataset repeat."
             )
-        dataset = strategy.distribute_datasets_from_function(x)
+        distributed = strategy.distribute_datasets_from_function(x)
 
-        def at(epoch, step):
+        def make_pass(index, skip):
+            if not skip:
+                return distributed
+
             def skipped(context):  # each pipeline feeds its replicas one batch a step
                 per_step = max(1, context.num_replicas_in_sync // context.num_input_pipelines)
-                return x(context).skip((epoch * steps + step) * per_step)
+                return x(context).skip(skip * per_step)
             return strategy.distribute_datasets_from_function(skipped)
 
-        return DistributedInput(dataset, steps, repeats=True,
-                                sample=lambda: next(iter(x(tf.distribute.InputContext()))),
-                                at=at)
-    if isinstance(x, tf.data.Dataset):
-        check_nothing_beside_dataset(y, sample_weight, class_weight, what)
-        if not tf.distribute.has_strategy() and strategy is tf.distribute.get_strategy():
-            x = readable_here(x)  # the parameter-server chief evaluating
-        dataset = x
-        sample = lambda: first_batch(x)  # noqa: E731
+        sample = lambda: next(iter(x(tf.distribute.InputContext())))  # noqa: E731
+        cardinality = _cardinality(distributed)
+    elif kind == "distributed":
+        distributed = x
+        sample = _local_sample(strategy, x, what)
+        sample()  # refuses a dataset made for other replicas now, not mid-build
+        cardinality = _cardinality(x)
+        make_pass = lambda index, skip: x if not skip else _Advanced(x, skip)  # noqa: E731
     else:
-        if y is not None and num_samples((x,)) != num_samples((y,)):
-            raise ValueError(
-                f"`{what}` and `y` have different numbers of samples: "
-                f"{num_samples((x,))} and {num_samples((y,))}. Pass one target "
-                "per input."
-            )
-        if stream:
-            return _array_stream(strategy, x, y, sample_weight, batch_size=batch_size,
-                                 shuffle=shuffle, class_weight=class_weight, steps=steps)
-        dataset = from_arrays(x, y, sample_weight, batch_size=batch_size,
-                              shuffle=shuffle, class_weight=class_weight)
-        sample = lambda: next(iter(dataset.take(1)))  # noqa: E731
-    cardinality = int(dataset.cardinality())
+        if kind == "dataset":
+            if not tf.distribute.has_strategy() and strategy is tf.distribute.get_strategy():
+                x = readable_here(x)  # the parameter-server chief evaluating
+            local = x
+            sample = lambda: first_batch(x)  # noqa: E731
+        else:  # a generator or a PyDataset, read by Keras' own data adapter
+            adapter = _keras_adapter(x, class_weight=class_weight, shuffle=shuffle)
+            adapter.on_epoch_end()  # Keras resets its epoch iterator before training
+            local = _shardable(_owned(adapter.get_tf_dataset()))
+            sample = _adapter_sample(x, adapter, kind)
+            if kind == "py_dataset" and adapter.num_batches is None and steps is None:
+                raise ValueError(
+                    f"`{what}` is a PyDataset without an end (`num_batches` is None); "
+                    "pass `steps_per_epoch` (or `validation_steps`) so keras_dist knows "
+                    "where an epoch ends.")
+        distributed = strategy.experimental_distribute_dataset(local)
+        cardinality = _cardinality(local) if adapter is None else adapter.num_batches
+
+        def make_pass(index, skip):
+            return distributed if not skip else strategy.experimental_distribute_dataset(
+                local.skip(skip))
+
     if cardinality == tf.data.INFINITE_CARDINALITY and steps is None:
         raise ValueError(
             f"`{what}` is a dataset that repeats forever; pass `steps_per_epoch` "
             "(or `validation_steps`) so keras_dist knows where an epoch ends."
         )
-    known = cardinality if cardinality >= 0 else None
+    known = cardinality if cardinality is not None and cardinality >= 0 else None
+    passes = Passes(make_pass, known, steps, adapter=adapter if kind == "py_dataset" else None)
+    return DistributedInput(distributed, steps if steps is not None else known, sample=sample,
+                            at=passes.seek, passes=passes)
+
+
+def _distribute_arrays(strategy, x, y, sample_weight, *, batch_size, shuffle, class_weight,
+                       steps, what, stream):
+    if y is not None and num_samples((x,)) != num_samples((y,)):
+        raise ValueError(
+            f"`{what}` and `y` have different numbers of samples: "
+            f"{num_samples((x,))} and {num_samples((y,))}. Pass one target "
+            "per input."
+        )
+    samples = num_samples((x,))
+    if not batch_size:  # Keras' ArrayDataAdapter: the steps set the batch size
+        batch_size = math.ceil(samples / steps) if steps else DEFAULT_BATCH_SIZE
+    if stream:
+        return _array_stream(strategy, x, y, sample_weight, batch_size=batch_size,
+                             shuffle=shuffle, class_weight=class_weight, steps=steps)
+    dataset = from_arrays(x, y, sample_weight, batch_size=batch_size,
+                          shuffle=shuffle, class_weight=class_weight)
     distributed = strategy.experimental_distribute_dataset(dataset)
+    per_pass = math.ceil(samples / batch_size)
 
-    def at(epoch, step):
-        # One iterator for every epoch (`steps` given): the batches before;
-        # one pass per epoch: that epoch's first `step`. Exact when the
-        # dataset's order does not depend on how often it was iterated
-        # before (docs/fault-tolerance.md).
-        skip = epoch * steps + step if steps is not None else step
-        return strategy.experimental_distribute_dataset(dataset.skip(skip))
+    def make_pass(index, skip):  # a new iterator: a new pass, reshuffled
+        return distributed if not skip else strategy.experimental_distribute_dataset(
+            dataset.skip(skip))
 
-    if steps is not None:
-        return DistributedInput(distributed, steps, repeats=True, sample=sample, at=at)
-    return DistributedInput(distributed, known, repeats=False, sample=sample, at=at)
+    passes = Passes(make_pass, per_pass, steps)
+    return DistributedInput(distributed, steps if steps is not None else per_pass,
+                            sample=lambda: next(iter(dataset.take(1))), at=passes.seek,
+                            passes=passes)
 
 
 def _array_stream(strategy, x, y, sample_weight, *, batch_size, shuffle, class_weight, steps):
-    """Training arrays as an `epoch_stream`: every epoch (or, with `steps`,
-    one pass read across epochs, Keras' rule), positioned at will."""
-    epochs = None if steps is None else 1
-
-    def stream(epoch=0, step=0):
-        if steps is None:
-            first, skip = epoch, step
-        else:
-            first, skip = 0, epoch * steps + step
+    """Training arrays as an `epoch_stream`: one iterator reads pass after
+    pass (`Passes` says where each epoch ends), positioned at will."""
+    def stream(first_pass=0, skip=0):
         return epoch_stream(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
-                            class_weight=class_weight, first_epoch=first, epochs=epochs,
-                            skip=skip)
+                            class_weight=class_weight, first_epoch=first_pass, skip=skip)
 
     dataset = stream()
-    per_epoch = math.ceil(num_samples((x,)) / (batch_size or DEFAULT_BATCH_SIZE))
+    distributed = strategy.experimental_distribute_dataset(dataset)
+
+    def make_pass(index, skip):
+        if not index and not skip:
+            return distributed
+        return strategy.experimental_distribute_dataset(stream(index, skip))
+
+    per_pass = math.ceil(num_samples((x,)) / batch_size)
+    passes = Passes(make_pass, per_pass, steps, continuous=True)
     return DistributedInput(
-        strategy.experimental_distribute_dataset(dataset),
-        steps if steps is not None else per_epoch, repeats=True,
-        sample=lambda: next(iter(dataset.take(1))),
-        at=lambda epoch, step: strategy.experimental_distribute_dataset(stream(epoch, step)))
+        distributed, steps if steps is not None else per_pass,
+        sample=lambda: next(iter(dataset.take(1))), at=passes.seek, passes=passes)
 
 
-def check_nothing_beside_dataset(y, sample_weight, class_weight, what="x"):
-    """A dataset (or dataset_fn) yields targets and weights itself."""
+_KIND_NAMES = {
+    "dataset": "a tf.data.Dataset", "dataset_fn": "a dataset_fn",
+    "distributed": "a tf.distribute.DistributedDataset", "generator": "a Python generator",
+    "py_dataset": "a keras.utils.PyDataset",
+}
+
+_INPUTS = (
+    "arrays (or a list / tuple / dict of them), a tf.data.Dataset, a "
+    "dataset_fn(input_context), a Python generator, a keras.utils.PyDataset, or a "
+    "tf.distribute.DistributedDataset")
+
+
+def _class_from(x, names, module):
+    """Whether a class of `x`'s is one of `names` from a module under
+    `module` (Keras' test for torch and grain types, which are not imported)."""
+    return any(c.__name__ in names and c.__module__.startswith(module)
+               for c in type(x).__mro__)
+
+
+def _input_kind(x, what="x"):
+    """`"arrays"`, `"dataset"`, `"dataset_fn"`, `"distributed"`,
+    `"generator"` or `"py_dataset"`; raises for anything else."""
+    if isinstance(x, tf.data.Dataset):
+        return "dataset"
+    if isinstance(x, tf.distribute.DistributedDataset):
+        return "distributed"
+    if isinstance(x, keras.utils.PyDataset):
+        return "py_dataset"
+    if isinstance(x, types.GeneratorType):
+        return "generator"
+    for library, names, module in (("torch", ("DataLoader",), "torch.utils.data"),
+                                   ("grain", ("MapDataset", "IterDataset", "DataLoader"),
+                                    "grain")):
+        if _class_from(x, names, module):
+            raise ValueError(
+                f"`{what}` is a {library} {type(x).__name__}, which keras_dist does not "
+                "read across replicas (Keras' own loop does on one device). Pass "
+                f"{_INPUTS} instead: e.g. a tf.data.Dataset or keras.utils.PyDataset "
+                "yielding the same batches.")
+    if is_dataset_fn(x):
+        return "dataset_fn"
+    leaves = tf.nest.flatten(keras.tree.lists_to_tuples(x))
+    odd = sorted({type(a).__name__ for a in leaves if not _is_array_like(a)})
+    if odd:
+        hint = ""
+        if all(isinstance(a, (numbers.Number, str, bytes)) for a in leaves):
+            hint = (" A list is several inputs (one array each), as in Keras; for one "
+                    "input from nested Python lists, pass `np.asarray(...)`.")
+        raise ValueError(
+            f"`{what}` of type {type(x).__name__} is not an input keras_dist can train on "
+            f"(it holds {', '.join(odd)}). Pass {_INPUTS}.{hint}")
+    return "arrays"
+
+
+def _cardinality(dataset):
+    """The number of batches of a (distributed) dataset: an integer, or
+    `tf.data.INFINITE_CARDINALITY` / `UNKNOWN_CARDINALITY`, or `None`."""
+    value = getattr(dataset, "cardinality", None)
+    if callable(value):
+        value = value()
+    return None if value is None else int(value)
+
+
+def _shardable(dataset):
+    """`dataset` with the options keras_dist's own pipelines have (see
+    `from_arrays`): sharded by data across workers, no autotuning."""
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = (
+        tf.data.experimental.AutoShardPolicy.DATA)
+    options.autotune.enabled = False
+    return dataset.with_options(options)
+
+
+def _owned(dataset):
+    """`dataset` with every dense tensor copied into memory of its own.
+
+    A generator's or `PyDataset`'s NumPy batches enter `tf.data` without a
+    copy, and TensorFlow may then reuse that memory in place for a later
+    op's result: training under MirroredStrategy wrote into the user's own
+    `y` array (and into the batches Keras keeps to yield again), changing
+    what later epochs trained on from run to run.
+    """
+    def copy(value):
+        return tf.raw_ops.DeepCopy(x=value) if isinstance(value, tf.Tensor) else value
+
+    if isinstance(dataset.element_spec, tuple):
+        return dataset.map(lambda *batch: tuple(tf.nest.map_structure(copy, batch)))
+    return dataset.map(lambda batch: tf.nest.map_structure(copy, batch))
+
+
+def _keras_adapter(x, *, class_weight, shuffle):
+    """Keras' own data adapter of a generator or `PyDataset` (what
+    `keras.Model.fit(x)` reads it with: batches, order, class weights,
+    workers, epoch hooks).
+
+    Keras has no public API for its data adapters; this is the one place
+    keras_dist imports them (`keras.src.trainers.data_adapters`,
+    `get_data_adapter`, unchanged from Keras 3.0 to 3.15).
+    """
+    from keras.src.trainers import data_adapters
+
+    return data_adapters.get_data_adapter(x, class_weight=class_weight, shuffle=shuffle)
+
+
+def _adapter_sample(x, adapter, kind):
+    """A function returning a first batch of a generator or `PyDataset`
+    without taking anything from what training reads: a generator's first
+    batch is kept by its adapter, a `PyDataset` is indexed."""
+    def sample():
+        if kind == "generator":
+            batch = next(iter(adapter.get_numpy_iterator()))
+        else:
+            batch = x[0]
+            batch = (batch,) if isinstance(batch, np.ndarray) else (
+                tuple(batch) if isinstance(batch, list) else batch)
+        # Copies (see `_owned`): the build must not write into the user's arrays.
+        return tf.nest.map_structure(lambda a: a if a is None else np.array(a), batch)
+    return sample
+
+
+def _local_sample(strategy, dataset, what):
+    """A function returning this process's first replica's share of
+    `dataset`'s first batch (read once, then kept), refusing a distributed
+    dataset made for another number of replicas."""
+    kept = []
+
+    def sample():
+        if not kept:
+            batch = next(iter(dataset))
+            counts = {len(strategy.experimental_local_results(v))
+                      for v in tf.nest.flatten(batch)} or {1}
+            replicas = len(strategy.extended.worker_devices)
+            if counts != {replicas}:
+                raise ValueError(
+                    f"`{what}` is a tf.distribute.DistributedDataset for "
+                    f"{sorted(counts)[0]} replica(s) in this process, but the strategy "
+                    f"trains {replicas} here. Make it with the strategy passed to "
+                    "keras_dist (`strategy.experimental_distribute_dataset(...)`), or pass "
+                    "the tf.data.Dataset itself.")
+            kept.append(tf.nest.map_structure(
+                lambda v: strategy.experimental_local_results(v)[0], batch))
+        return kept[0]
+    return sample
+
+
+class _Advanced:
+    """A distributed dataset read from its batch `skip` on (it has no
+    `skip`): each iterator of it is advanced that far."""
+
+    def __init__(self, dataset, skip):
+        self._dataset, self._skip = dataset, skip
+
+    def __iter__(self):
+        iterator = iter(self._dataset)
+        for _ in range(self._skip):
+            try:
+                next(iterator)
+            except StopIteration:
+                break
+        return iterator
+
+
+def check_nothing_beside_dataset(y, sample_weight, class_weight, what="x",
+                                 kind="a tf.data.Dataset or a dataset_fn"):
+    """A dataset (or dataset_fn, generator, ...) yields targets and weights itself."""
     for name, value in (("y", y), ("sample_weight", sample_weight),
                         ("class_weight", class_weight)):
         if value is not None:
             raise ValueError(
-                f"`{name}` must be None when `{what}` is a tf.data.Dataset or a "
-                "dataset_fn (the dataset yields targets and weights). Received "
-                "a value for it.")
+                f"`{name}` must be None when `{what}` is {kind} (it yields the targets "
+                "and weights itself). Received a value for it.")
 
 
 def num_samples(arrays):
@@ -462,7 +879,15 @@ def per_worker_input(strategy, x, y=None, sample_weight=None, *, batch_size=None
     `steps` unless its length is known.
     """
     check_steps(steps)
-    if isinstance(x, tf.data.Dataset) or is_dataset_fn(x):
+    kind = _input_kind(x)
+    if kind in ("generator", "py_dataset", "distributed"):
+        raise ValueError(
+            f"`x` is {_KIND_NAMES[kind]} ({type(x).__name__}), which parameter-server "
+            "workers cannot read: each worker builds its own input from what the chief "
+            "sends it (a dataset's graph or arrays), and a Python object of this process "
+            "cannot be sent. Pass arrays, a tf.data.Dataset, or a "
+            "dataset_fn(input_context) that builds the input on each worker.")
+    if kind in ("dataset", "dataset_fn"):
         check_nothing_beside_dataset(y, sample_weight, class_weight)
     if is_dataset_fn(x):
         if steps is None:
@@ -495,7 +920,7 @@ def per_worker_input(strategy, x, y=None, sample_weight=None, *, batch_size=None
         return from_arrays(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
                            class_weight=class_weight, seed=None, repeat=True)
 
-    sample = (x[:2],) if y is None else (x[:2], y[:2])
+    sample = tf.nest.map_structure(lambda a: a[:2], _training_arrays(x, y, None, None))
     return PerWorkerInput(dataset_fn, steps, sample)
 
 
@@ -507,12 +932,15 @@ def check_steps(steps, what="steps_per_epoch"):
 
 def unpack_validation(validation_data):
     """`(x, y, sample_weight)` of `validation_data`, checked."""
-    if isinstance(validation_data, tf.data.Dataset) or is_dataset_fn(validation_data):
+    if isinstance(validation_data, (tf.data.Dataset, tf.distribute.DistributedDataset,
+                                    keras.utils.PyDataset, types.GeneratorType)) or (
+            is_dataset_fn(validation_data)):
         return validation_data, None, None
     if not isinstance(validation_data, (tuple, list)) or not 2 <= len(validation_data) <= 3:
         length = len(validation_data) if hasattr(validation_data, "__len__") else "?"
         raise ValueError(
-            "`validation_data` must be a tf.data.Dataset, a dataset_fn, or a "
+            "`validation_data` must be a tf.data.Dataset, a dataset_fn, a Python "
+            "generator, a keras.utils.PyDataset, a tf.distribute.DistributedDataset, or a "
             "tuple (x_val, y_val) or (x_val, y_val, val_sample_weight). "
             f"Received: {type(validation_data).__name__} of length {length}.")
     return (tuple(validation_data) + (None,))[:3]
