@@ -17,12 +17,15 @@ a step whose loss is not finite, so an epoch's `loss` averages the steps
 whose loss was finite (their updates were applied; a skipped update almost
 always comes with a NaN loss) and `keras.callbacks.TerminateOnNaN` does not
 stop a run whose weights are fine. Used while a train step is traced, in
-every loop, under `"skip"`.
+every loop, under `"skip"`. `judge_epoch`: an epoch with no finite loss at
+all logs NaN (Keras' mean of nothing is 0), and `TerminateOnNaN` then stops
+a run that cannot train.
 """
 
 import contextlib
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
@@ -58,6 +61,36 @@ def finite_loss_only(model, mode="skip"):
         tracker.__dict__.pop("update_state", None)
 
 
+def judge_epoch(model, logs, mode, callbacks, epoch):
+    """At an epoch's end (before validation, which reuses the loss tracker):
+    under "skip", an epoch that counted no finite loss (every update
+    skipped) logs `loss: nan`, not Keras' mean of nothing (0), and with a
+    `keras.callbacks.TerminateOnNaN` among `callbacks` training stops there,
+    as it stops Keras' own fit whose loss went NaN. (TerminateOnNaN itself
+    judges batches; a batch's loss here counts the finite batches so far,
+    so one bad batch does not stop a run whose weights are fine.)"""
+    if "loss" in logs and counted_nothing(model, mode):
+        conclude_nothing_counted(model, logs, callbacks, epoch)
+
+
+def counted_nothing(model, mode):
+    """Whether, under "skip", the loss tracker counted no batch (eager)."""
+    tracker = _loss_tracker(model) if mode == "skip" else None
+    if tracker is None or not hasattr(tracker, "count"):
+        return False
+    return float(np.asarray(tracker.count.numpy())) == 0
+
+
+def conclude_nothing_counted(model, logs, callbacks, epoch):
+    """`loss: nan` in `logs`; stops training when `TerminateOnNaN` is there."""
+    logs["loss"] = float("nan")
+    found = getattr(callbacks, "callbacks", callbacks) or ()
+    if any(isinstance(cb, keras.callbacks.TerminateOnNaN) for cb in found):
+        print(f"Epoch {epoch + 1}: every update was non-finite and skipped, the loss is "
+              "NaN; TerminateOnNaN stops training", flush=True)
+        model.stop_training = True
+
+
 def _loss_tracker(model):
     """The `loss` mean Keras' `train_step` updates (first of `model.metrics`
     once compiled), or `None`."""
@@ -73,18 +106,31 @@ class _EpochLogs(keras.callbacks.Callback):
     for `NonFiniteUpdateError`'s message. First in the callback list, so
     `History` and the progress bar see what it adds."""
 
-    def __init__(self, policy):
+    def __init__(self, policy, callbacks):
         super().__init__()
         self.policy = policy
+        self.callbacks = callbacks
         self.epoch = 0
+        self.nothing = False
 
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
+        self.nothing = False
         self.policy.begin_epoch()
+
+    def on_train_batch_end(self, batch, logs=None):
+        # Read at the epoch's last batch (validation reuses the tracker
+        # before on_epoch_end); Keras may number a short last execution
+        # past the end.
+        steps = (self.params or {}).get("steps")
+        if not steps or batch + 1 >= steps:
+            self.nothing = counted_nothing(self.model, self.policy.mode)
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:
             logs.update(self.policy.epoch_logs())
+            if self.nothing and "loss" in logs:
+                conclude_nothing_counted(self.model, logs, self.callbacks, epoch)
 
 
 def keras_loop(model, mode, fit, *args, **kwargs):
@@ -121,8 +167,8 @@ def keras_loop(model, mode, fit, *args, **kwargs):
         with update.apply_hook(hook), finite_loss_only(model, mode):
             return original_step(data)
 
-    logs = _EpochLogs(policy)
     callbacks = kwargs.pop("callbacks", None)
+    logs = _EpochLogs(policy, callbacks)
     if isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks.callbacks.insert(0, logs)
         logs.set_model(model)

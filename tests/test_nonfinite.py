@@ -144,3 +144,17 @@ def test_keras_own_fit_after_kd_fit_is_keras_again():
     model = history.model
     model.fit(x, y, epochs=1, batch_size=16, shuffle=False, verbose=0)
     assert not all(np.isfinite(w).all() for w in model.get_weights())
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_an_epoch_with_no_finite_loss_reports_nan_and_terminate_on_nan_stops(name, mirrored):
+    """Every batch skipped: nothing trained, and the loss of nothing is NaN
+    (Keras' mean of nothing is 0), so with TerminateOnNaN training stops
+    after that epoch (Keras' own fit stops at its first NaN batch; Keras'
+    test_TerminateOnNaN checks one epoch in the History)."""
+    x, y = data(poison=range(64))
+    history = kd.fit(build, x, y, strategy=_strategy(name, mirrored), epochs=5, batch_size=16,
+                     verbose=0, callbacks=[keras.callbacks.TerminateOnNaN()])
+    assert len(history.history["loss"]) == 1 and np.isnan(history.history["loss"][0])
+    assert history.history["skipped_nonfinite"] == [4]  # the whole epoch, then it stops
+    assert all(np.isfinite(w).all() for w in history.model.get_weights())
