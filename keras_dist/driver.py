@@ -34,6 +34,7 @@ import tensorflow as tf
 
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 from keras_dist import data as data_lib
+from keras_dist import guard
 from keras_dist import update
 from keras_dist.callbacks import base as replica_cbs
 
@@ -257,6 +258,8 @@ def fit(executor, x=None, y=None, *, batch_size=None, epochs=1,
                     stacklevel=2)
                 model.stop_training = True
             epoch_logs = executor.epoch_logs(logs)
+            # Before validation, which reuses the loss tracker.
+            guard.judge_epoch(model, epoch_logs, executor.nonfinite_updates, callbacks, epoch)
             replica_cbs.add_replica_logs(watchers, epoch_logs)
             if val is not None and data_lib.should_eval(epoch, validation_freq):
                 val_logs = executor.evaluate(val, callbacks)
