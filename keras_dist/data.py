@@ -10,7 +10,6 @@ where Keras' own data handling cannot be (see `keras_dist.driver`).
 
 import atexit
 import dataclasses
-import itertools
 import math
 import numbers
 import queue
@@ -547,14 +546,14 @@ def distribute(strategy, x, y=None, sample_weight=None, *, batch_size=None,
             sample = lambda: first_batch(x)  # noqa: E731
         else:  # a generator or a PyDataset, read by Keras' own data adapter
             adapter = _keras_adapter(x, class_weight=class_weight, shuffle=shuffle)
-            adapter.on_epoch_end()  # Keras resets its epoch iterator before training
-            local = _shardable(_owned(adapter.get_tf_dataset()))
-            sample = _adapter_sample(x, adapter, kind)
             if kind == "py_dataset" and adapter.num_batches is None and steps is None:
                 raise ValueError(
                     f"`{what}` is a PyDataset without an end (`num_batches` is None); "
                     "pass `steps_per_epoch` (or `validation_steps`) so keras_dist knows "
                     "where an epoch ends.")
+            adapter.on_epoch_end()  # Keras resets its epoch iterator before training
+            local = _shardable(_owned(adapter.get_tf_dataset()))
+            sample = _adapter_sample(x, adapter, kind)
         distributed = strategy.experimental_distribute_dataset(local)
         cardinality = _cardinality(local) if adapter is None else adapter.num_batches
 

@@ -142,14 +142,18 @@ def test_infinite_dataset_needs_steps(strategy, data):
         own_fit(build(strategy), strategy, dataset, epochs=1, verbose=0)
 
 
-def test_runs_out_of_data_warns_and_stops(strategy, data):
+def test_runs_out_of_data_warns_and_starts_a_new_pass_as_keras(strategy, data):
+    """Keras 3's epoch iterator: a pass that ends inside an epoch ends that
+    epoch (with the warning) and the next epoch starts a new pass; training
+    goes on (tests/test_inputs.py compares more cases with Keras)."""
     x, y = data
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(50)  # 4 batches
     model = build(strategy)
     with pytest.warns(UserWarning, match="ran out of data"):
         history = own_fit(model, strategy, dataset, epochs=5,
                                 steps_per_epoch=3, verbose=0)
-    assert len(history.history["loss"]) == 2  # epoch 2 hits the end
+    assert len(history.history["loss"]) == 5
+    assert int(model.optimizer.iterations.numpy()) == 3 + 1 + 3 + 1 + 3
 
 
 def test_callbacks_see_every_hook_and_can_stop(strategy, data):
