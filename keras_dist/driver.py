@@ -333,7 +333,9 @@ def predict_here(model, x, *, batch_size=None, verbose="auto", steps=None, callb
     if isinstance(x, tf.data.Dataset):
         dataset = x
     else:
-        dataset = tf.data.Dataset.from_tensor_slices(x).batch(batch_size or 32)
+        # A list of arrays is several inputs, as in Keras (not one tensor).
+        dataset = tf.data.Dataset.from_tensor_slices(keras.tree.lists_to_tuples(x)).batch(
+            batch_size or 32)
     if steps is not None:
         dataset = dataset.take(steps)
     total = int(dataset.cardinality())
@@ -381,7 +383,13 @@ def build_for_training(model, strategy, sample_batch, build_optimizer=True):
         # As Keras' symbolic build: only what is not built yet, and the loss
         # with training=False (an overridden compute_loss sees what Keras
         # shows it, nothing more).
-        unbuilt = not model.built or any(not getattr(m, "built", True) for m in model.metrics)
+        # (Keras' own check reads its compiled loss and metrics containers,
+        # which it does not export: the per-output loss trackers of a
+        # multi-output model are not among `model.metrics`.)
+        unbuilt = not model.built or any(
+            not getattr(m, "built", True)
+            for m in [*model.metrics, getattr(model, "_compile_loss", None),
+                      getattr(model, "_compile_metrics", None)] if m is not None)
         if unbuilt:
             x, y, sample_weight = keras_lib.utils.unpack_x_y_sample_weight(sample_batch)
             y_pred = model(x, training=False)

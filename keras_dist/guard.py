@@ -69,7 +69,7 @@ def judge_epoch(model, logs, mode, callbacks, epoch):
     as it stops Keras' own fit whose loss went NaN. (TerminateOnNaN itself
     judges batches; a batch's loss here counts the finite batches so far,
     so one bad batch does not stop a run whose weights are fine.)"""
-    if "loss" in logs and counted_nothing(model, mode):
+    if "loss" in logs and logs.get("skipped_nonfinite", 0) and counted_nothing(model, mode):
         conclude_nothing_counted(model, logs, callbacks, epoch)
 
 
@@ -129,7 +129,7 @@ class _EpochLogs(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:
             logs.update(self.policy.epoch_logs())
-            if self.nothing and "loss" in logs:
+            if self.nothing and "loss" in logs and logs.get("skipped_nonfinite", 0):
                 conclude_nothing_counted(self.model, logs, self.callbacks, epoch)
 
 

@@ -57,12 +57,16 @@ def fit(model, x=None, y=None, *, strategy="auto", cluster=None, nonfinite_updat
       momentum) is not carried over, and the returned History belongs to the
       copy: use `history.model` to reach it.
 
-    `x` may be arrays (or a dict / tuple of them), a `tf.data.Dataset`
-    yielding batches of the *global* batch size, or a
+    `x` may be arrays (or a dict / list / tuple of them: a list is several
+    inputs, as in Keras), a `tf.data.Dataset` yielding batches of the
+    *global* batch size, a Python generator or `keras.utils.PyDataset` (read
+    through Keras' own adapters; not under parameter servers), a
+    `tf.distribute.DistributedDataset` made with the same strategy, or a
     `dataset_fn(input_context)` returning per-replica batches (TF's
     `distribute_datasets_from_function` convention; needs `steps_per_epoch`).
     Arrays and datasets are sharded across workers the TF way (a whole batch
-    per step is split over all replicas).
+    per step is split over all replicas). With `steps_per_epoch`, epochs
+    read passes over the input as Keras' do (`keras_dist.data.Passes`).
 
     Args:
         model: A compiled `keras.Model`, or a function returning one.

@@ -153,9 +153,6 @@ def test_steps_per_epoch_read_passes_as_keras(mirrored, kind, steps, epochs):
     assert_same_training(ours, theirs, iterations=kind != "unknown_length")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "f8b95c1 logs loss: nan for an epoch that counted no finite loss; this epoch "
-    "counted nothing because it ran no step (nothing was skipped), and Keras logs 0.0"))
 def test_an_epoch_that_finds_its_input_dry_trains_nothing_and_training_goes_on(mirrored):
     """10 batches of unknown length, 5 steps an epoch: Keras trains 5, 5,
     then an empty epoch (its iterator was dry; loss 0.0, a warning), then a
@@ -261,12 +258,6 @@ def test_a_list_or_tuple_of_arrays_is_several_inputs(mirrored, container):
     assert_same_training(ours, _train(_keras(_two_inputs()), x, ys[0], **args))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "not the input: driver.build_for_training (b8db3bc) skips the symbolic build when "
-    "the model and model.metrics are built, so the per-output loss trackers of Keras' "
-    "compiled loss are created inside the compiled step ('You must feed a value for "
-    "placeholder tensor cond/.../Placeholder'); a tf.data dataset of (x, (y1, y2)) "
-    "fails the same way"))
 def test_lists_of_targets_are_several_outputs(mirrored):
     xs, ys = _two_input_data()
     args = dict(batch_size=8, epochs=2, shuffle=False)
