@@ -15,7 +15,7 @@ import keras_dist as kd
 from keras_dist import simulate
 from keras_dist.optimizers import DANA, DynSGD, GapAware
 from keras_dist.update import UpdateInfo
-from procs import SHARED_TIMEOUT
+from procs import ASYNC_LEARNS, SHARED_TIMEOUT
 
 ETA, GAMMA = 0.05, 0.9
 
@@ -224,7 +224,7 @@ def test_dana_on_a_real_cluster(request, shared_cluster):
     assert one["velocity_vs_keras"] <= 1e-4 * max(1.0, one["velocity_size"]), one
     assert one["velocity_size"] > 0.01 and one["other_rows"] == 0.0, one
     train = result["train"]
-    assert train["test_accuracy"] >= 0.90, train
+    assert train["test_accuracy"] >= ASYNC_LEARNS, train
     assert train["version"] == 8 * 45, train
     # Both workers sent updates, and each into its own row.
     assert sorted(train["updates_per_worker"]) == ["0", "1"], train

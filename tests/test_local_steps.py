@@ -15,7 +15,7 @@ import tensorflow as tf
 
 import keras_dist as kd
 from keras_dist import stateless
-from procs import SHARED_TIMEOUT
+from procs import ASYNC_LEARNS, SHARED_TIMEOUT
 
 OPTIMIZERS = {
     "sgd": lambda: keras.optimizers.SGD(0.1),
@@ -129,7 +129,7 @@ def test_local_steps_on_a_real_cluster(request, shared_cluster):
     assert elastic["centre_moved"] > 0.01 and elastic["copies_differ"] > 1e-4, elastic
     for name in ("train", "train_outer", "train_elastic"):
         run = result[name]
-        assert run["test_accuracy"] >= 0.9, (name, run["test_accuracy"])
+        assert run["test_accuracy"] >= ASYNC_LEARNS, (name, run["test_accuracy"])
         assert run["version"] == 6 * 40
         assert all(v > 0 for v in run["updates_per_worker"].values())
         assert sorted(run["updates_per_worker"]) == ["0", "1"]

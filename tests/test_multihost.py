@@ -24,7 +24,7 @@ import time
 import pytest
 
 import netns
-from procs import REPO
+from procs import ASYNC_LEARNS, REPO
 
 pytestmark = pytest.mark.multiprocess
 
@@ -90,4 +90,4 @@ def test_async_training_survives_a_cut_link_and_uses_the_worker_again(tmp_path):
     assert any(e.get("1", 0) > 0 for e in after), (restored_in, result["updates_per_epoch"])
     # Nothing lost; at most a few steps in flight at the cut applied twice.
     assert 0 <= result["version"] - result["scheduled"] <= 4, result["version"]
-    assert result["test_accuracy"] >= 0.9
+    assert result["test_accuracy"] >= ASYNC_LEARNS

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import keras_dist as kd
-from procs import REPO
+from procs import ASYNC_LEARNS, REPO
 
 pytestmark = pytest.mark.multiprocess
 
@@ -136,7 +136,7 @@ def test_a_stopped_worker_holds_only_its_own_step_and_an_idle_cluster_is_never_s
     assert output.count("training goes on without waiting for them") == 1, output[-3000:]
     counts = check_counts(result)
     assert counts["lost"] == 0 and counts["late"] >= 1, counts
-    assert result["test_accuracy"] >= 0.9
+    assert result["test_accuracy"] >= ASYNC_LEARNS
     # A minute idle (and the freeze) without any server refusing our pings,
     # and the cluster still trains after it.
     assert "too_many_pings" not in output
@@ -165,7 +165,7 @@ def test_a_worker_stopped_for_good_is_declared_lost_and_its_step_runs_elsewhere(
     assert "Worker /job:worker/replica:0/task:1 failed with UnavailableError" in output
     counts = check_counts(result)
     assert counts["lost"] == 0, counts  # the stuck step was rerun on worker 0
-    assert result["test_accuracy"] >= 0.9
+    assert result["test_accuracy"] >= ASYNC_LEARNS
     assert len(times) == epochs and time.monotonic() - stopped_at < 200
 
 
