@@ -185,27 +185,12 @@ def meet_peers(cluster, timeout, poll=0.2):
             if listener is not None:
                 listener.close()
             listener = None
-    deadline = time.monotonic() + timeout
     try:
-        while pending:
-            for name, address in list(pending.items()):
-                host, _, port = address.rpartition(":")
-                try:
-                    with socket.create_connection((host.strip("[]"), int(port)), timeout=1):
-                        del pending[name]
-                except OSError:
-                    pass
-            if not pending:
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"MultiWorkerMirrored peers did not come up within {timeout:g} s: "
-                    + ", ".join(f"{n} at {a}" for n, a in pending.items())
-                    + f" (this task: {cluster.task_type}:{cluster.task_index}). Start "
-                    "every task of TF_CONFIG's cluster (the launcher or scheduler starts "
-                    "them together), or raise `connect_timeout` in "
-                    "keras_dist.resolve_strategy.")
-            time.sleep(poll)
+        _wait_for_ports(pending, timeout, poll, lambda missing: (
+            f"MultiWorkerMirrored peers did not come up within {timeout:g} s: {missing} "
+            f"(this task: {cluster.task_type}:{cluster.task_index}). Start every task of "
+            "TF_CONFIG's cluster (the launcher or scheduler starts them together), or "
+            "raise `connect_timeout` in keras_dist.resolve_strategy."))
     finally:
         if listener is not None:
             listener.close()
@@ -224,6 +209,16 @@ def wait_for_tasks(cluster, timeout):
                for role, addresses in cluster.cluster.items()
                if role in ("worker", "ps")
                for i, address in enumerate(addresses)}
+    _wait_for_ports(pending, timeout, 0.2, lambda missing: (
+        f"Cluster tasks did not come up within {timeout:g} s: {missing}. Check that they "
+        "were started with the same TF_CONFIG cluster, or raise `connect_timeout`."))
+
+
+def _wait_for_ports(pending, timeout, poll, message):
+    """Connects to each `{name: "host:port"}` of `pending` until every one
+    has answered once; after `timeout` seconds raises `TimeoutError` with
+    `message("name at address, ...")` for those that did not."""
+    pending = dict(pending)
     deadline = time.monotonic() + timeout
     while pending:
         for name, address in list(pending.items()):
@@ -236,9 +231,5 @@ def wait_for_tasks(cluster, timeout):
         if not pending:
             return
         if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"Cluster tasks did not come up within {timeout:g} s: "
-                + ", ".join(f"{n} at {a}" for n, a in pending.items())
-                + ". Check that they were started with the same TF_CONFIG "
-                "cluster, or raise `connect_timeout`.")
-        time.sleep(0.2)
+            raise TimeoutError(message(", ".join(f"{n} at {a}" for n, a in pending.items())))
+        time.sleep(poll)

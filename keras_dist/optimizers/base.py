@@ -253,6 +253,18 @@ class StalenessAwareOptimizer(keras.optimizers.Optimizer):
 scale_gradients = update_lib.scale_gradients
 
 
+def check_pulled(name, why, pulled, variables):
+    """Refuses an update without the weights its gradients were computed on
+    (one per variable), which `name`'s rule needs (`why`)."""
+    if pulled is None or len(pulled) != len(variables):
+        received = "pulled=None" if pulled is None else f"{len(pulled)} pulled weights"
+        raise ValueError(
+            f"{name} {why}, so each update needs the weights its gradients were computed "
+            "on, one per variable: apply(grads, variables, update=UpdateInfo("
+            "staleness=..., pulled=[...])). AsyncModel and keras_dist.simulate pass them. "
+            f"Received: {received} for {len(variables)} variables.")
+
+
 def staleness_aware_in(optimizer):
     """The outermost `StalenessAwareOptimizer` in an optimizer chain, or `None`."""
     for candidate in _chain(optimizer):

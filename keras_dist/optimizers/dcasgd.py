@@ -4,7 +4,7 @@ import keras
 import tensorflow as tf
 
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
-from keras_dist.optimizers.base import StalenessAwareOptimizer
+from keras_dist.optimizers.base import StalenessAwareOptimizer, check_pulled
 
 MODES = ("constant", "adaptive")
 
@@ -87,15 +87,8 @@ class DCASGD(StalenessAwareOptimizer):
                                   for v in var_list]
 
     def transform(self, grads, variables, staleness, pulled):
-        if pulled is None or len(pulled) != len(variables):
-            received = "pulled=None" if pulled is None else f"{len(pulled)} pulled weights"
-            raise ValueError(
-                "DCASGD corrects each gradient by how far its weight moved since the "
-                "worker read it (w_now - w_pulled), so each update needs the weights its "
-                "gradients were computed on, one per variable: apply(grads, variables, "
-                "update=UpdateInfo(staleness=..., pulled=[...])). AsyncModel and "
-                "keras_dist.simulate pass them. "
-                f"Received: {received} for {len(variables)} variables.")
+        check_pulled("DCASGD", "corrects each gradient by how far its weight moved since "
+                     "the worker read it (w_now - w_pulled)", pulled, variables)
         out, ratios = [], []
         for i, (g, variable, w_pulled) in enumerate(zip(grads, variables, pulled)):
             if g is None:

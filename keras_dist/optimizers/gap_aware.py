@@ -4,7 +4,7 @@ import keras
 import tensorflow as tf
 
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
-from keras_dist.optimizers.base import StalenessAwareOptimizer
+from keras_dist.optimizers.base import StalenessAwareOptimizer, check_pulled
 
 
 @keras.saving.register_keras_serializable(package="keras_dist")
@@ -104,14 +104,8 @@ class GapAware(StalenessAwareOptimizer):
         self._eta_max = self._scalar("eta_max")
 
     def transform(self, grads, variables, staleness, pulled):
-        if pulled is None or len(pulled) != len(variables):
-            received = "pulled=None" if pulled is None else f"{len(pulled)} pulled weights"
-            raise ValueError(
-                "GapAware measures how far each weight moved since the worker read it, "
-                "so each update needs the weights its gradients were computed on, one "
-                "per variable: apply(grads, variables, update=UpdateInfo(staleness=..., "
-                "pulled=[...])). AsyncModel and keras_dist.simulate pass them. "
-                f"Received: {received} for {len(variables)} variables.")
+        check_pulled("GapAware", "measures how far each weight moved since the worker "
+                     "read it", pulled, variables)
         t = self._updates.value.assign_add(1.0)
         lr = tf.cast(self.learning_rate, tf.float32)
         eta_max = self._eta_max.value.assign(tf.maximum(self._eta_max.value, lr))
