@@ -78,7 +78,7 @@ def worker():
     strategy = kd.resolve_strategy()  # collective ops start with the process
     import tensorflow as tf
 
-    from keras_dist import data
+    from keras_dist.training import data
     from keras_dist.datasets import load_digits
 
     (x, y), (x_val, y_val) = load_digits()

@@ -107,7 +107,7 @@ def real_run(workers, slowed, seed, tmp):
     env.pop("KERAS_DIST_SLOW_WORKER", None)
     if slowed:
         env["KERAS_DIST_SLOW_WORKER"] = f"0:{_FACTOR.value:g}"
-    cmd = [sys.executable, "-m", "keras_dist.launch", "--workers", str(workers), "--ps", "1",
+    cmd = [sys.executable, "-m", "keras_dist.cluster.launch", "--workers", str(workers), "--ps", "1",
            "--", sys.executable, os.path.abspath(__file__), f"--train={out}",
            f"--seed={seed}", f"--epochs={_EPOCHS.value}", f"--learning_rate={_LR.value}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)

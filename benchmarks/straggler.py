@@ -110,7 +110,7 @@ def run_once(mode, factor, tmp):
     env.pop("KERAS_DIST_SLOW_WORKER", None)
     if factor > 1:
         env["KERAS_DIST_SLOW_WORKER"] = f"1:{factor:g}"
-    cmd = [sys.executable, "-m", "keras_dist.launch", "--workers", "2",
+    cmd = [sys.executable, "-m", "keras_dist.cluster.launch", "--workers", "2",
            "--ps", "1" if mode == "async" else "0", "--", sys.executable,
            os.path.abspath(__file__), f"--train={out}", f"--epochs={_EPOCHS.value}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)

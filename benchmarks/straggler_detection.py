@@ -46,7 +46,7 @@ def run(mode, slowdown, epochs, out_dir):
     env.pop("KERAS_DIST_SLOW_WORKER", None)
     if slowdown == "in-graph":
         env["KERAS_DIST_SLOW_WORKER"] = "1:10"
-    cmd = [sys.executable, "-m", "keras_dist.launch", "--workers", "2", "--ps", str(ps), "--",
+    cmd = [sys.executable, "-m", "keras_dist.cluster.launch", "--workers", "2", "--ps", str(ps), "--",
            sys.executable, SCRIPT, out_dir, str(epochs), str(WINDOW), str(THRESHOLD)]
     started = None
     with open(os.path.join(out_dir, "out.txt"), "w") as out, subprocess.Popen(

@@ -24,21 +24,21 @@ __version__ = "0.2.0.dev0"
 
 # Public name -> the module that defines it. Loaded on first use (PEP 562), so
 # that `import keras_dist` does not import TensorFlow: the launcher and
-# `keras_dist.recipes` run without it.
+# `keras_dist.cluster.recipes` run without it.
 _EXPORTS = {
-    "AsyncModel": "keras_dist.async_model",
-    "ClusterConfig": "keras_dist.cluster",
-    "NonFiniteUpdateError": "keras_dist.update",
-    "StrategyChoice": "keras_dist.strategy",
-    "StrategyKind": "keras_dist.strategy",
-    "build_strategy": "keras_dist.strategy",
-    "choose_strategy": "keras_dist.strategy",
-    "evaluate": "keras_dist.training",
-    "fit": "keras_dist.training",
-    "local_fit": "keras_dist._plain_fit",
-    "predict": "keras_dist.training",
-    "resolve_strategy": "keras_dist.strategy",
-    "serve": "keras_dist.serving",
+    "AsyncModel": "keras_dist.training.async_model",
+    "ClusterConfig": "keras_dist.cluster.config",
+    "NonFiniteUpdateError": "keras_dist.training.update",
+    "StrategyChoice": "keras_dist.cluster.strategy",
+    "StrategyKind": "keras_dist.cluster.strategy",
+    "build_strategy": "keras_dist.cluster.strategy",
+    "choose_strategy": "keras_dist.cluster.strategy",
+    "evaluate": "keras_dist.training.api",
+    "fit": "keras_dist.training.api",
+    "local_fit": "keras_dist.cluster.plain_fit",
+    "predict": "keras_dist.training.api",
+    "resolve_strategy": "keras_dist.cluster.strategy",
+    "serve": "keras_dist.cluster.serving",
 }
 _SUBMODULES = ("callbacks", "flags", "optimizers", "recipes", "sharded", "testing",
                "versions")
@@ -48,14 +48,14 @@ __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time see __getattr__
     from keras_dist import (  # noqa: F401
         callbacks, flags, optimizers, recipes, sharded, testing, versions)
-    from keras_dist._plain_fit import local_fit  # noqa: F401
-    from keras_dist.async_model import AsyncModel  # noqa: F401
-    from keras_dist.cluster import ClusterConfig  # noqa: F401
-    from keras_dist.serving import serve  # noqa: F401
-    from keras_dist.update import NonFiniteUpdateError  # noqa: F401
-    from keras_dist.strategy import (  # noqa: F401
+    from keras_dist.cluster.plain_fit import local_fit  # noqa: F401
+    from keras_dist.training.async_model import AsyncModel  # noqa: F401
+    from keras_dist.cluster.config import ClusterConfig  # noqa: F401
+    from keras_dist.cluster.serving import serve  # noqa: F401
+    from keras_dist.training.update import NonFiniteUpdateError  # noqa: F401
+    from keras_dist.cluster.strategy import (  # noqa: F401
         StrategyChoice, StrategyKind, build_strategy, choose_strategy, resolve_strategy)
-    from keras_dist.training import evaluate, fit, predict  # noqa: F401
+    from keras_dist.training.api import evaluate, fit, predict  # noqa: F401
 
 
 def __getattr__(name):

@@ -5,7 +5,7 @@ staleness-aware optimizer, names those classes by their registered names
 (`"keras_dist>AsyncModel"`, `"keras_dist>DynSGD"`, ...). Keras finds them only
 if the modules that define them were imported first, and Keras imports modules
 by name only for its own packages. `import keras_dist` does not import Keras
-or TensorFlow (the launcher and `keras_dist.recipes` run without them), so it
+or TensorFlow (the launcher and `keras_dist.cluster.recipes` run without them), so it
 cannot import those modules itself. Instead:
 
 - if Keras is already imported, the modules are imported now;
@@ -23,7 +23,7 @@ import logging
 import sys
 
 # The modules whose import registers keras_dist's serializable classes.
-SERIALIZABLE_MODULES = ("keras_dist.async_model", "keras_dist.optimizers")
+SERIALIZABLE_MODULES = ("keras_dist.training.async_model", "keras_dist.optimizers")
 
 
 def register_serializables():
@@ -35,10 +35,10 @@ def register_serializables():
     keras_dist is used.
 
     Also guards Keras' own `model.fit` on a parameter-server cluster's tasks
-    (`keras_dist._plain_fit`).
+    (`keras_dist.cluster.plain_fit`).
     """
     try:
-        from keras_dist import _plain_fit
+        from keras_dist.cluster import plain_fit as _plain_fit
 
         _plain_fit.install()
     except Exception as exc:  # noqa: BLE001  (see docstring)

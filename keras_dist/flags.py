@@ -173,7 +173,7 @@ def strategy_from_flags(flag_values=FLAGS, *, cluster=None):
         ValueError: see `kd.resolve_strategy`; also `--shard_min_bytes`
             without parameter servers.
     """
-    from keras_dist import strategy as strategy_lib
+    from keras_dist.cluster import strategy as strategy_lib
 
     return strategy_lib.resolve_strategy(
         _value(flag_values, "strategy", "auto"), cluster,
@@ -345,7 +345,7 @@ def _wrap(optimizer, flag_values):
 
 def _cluster(cluster):
     """`cluster` as a `ClusterConfig`; `None` reads the environment (and may stay `None`)."""
-    from keras_dist.cluster import ClusterConfig
+    from keras_dist.cluster.config import ClusterConfig
 
     if isinstance(cluster, dict):
         return ClusterConfig.from_dict(cluster)
@@ -426,7 +426,7 @@ def _needs(flag_values, switch, names, condition, rule):
 
 
 def _define_strategy(fv):
-    from keras_dist.strategy import StrategyKind
+    from keras_dist.cluster.strategy import StrategyKind
 
     absl_flags.DEFINE_enum(
         "strategy", "auto", ["auto"] + [kind.value for kind in StrategyKind],
@@ -436,7 +436,7 @@ def _define_strategy(fv):
 
 
 def _define_nonfinite_updates(fv):
-    from keras_dist.update import MODES
+    from keras_dist.training.update import MODES
 
     absl_flags.DEFINE_enum(
         "nonfinite_updates", None, list(MODES),

@@ -271,7 +271,7 @@ def fit(model, x, y, *, workers, epochs=1, batch_size=32, validation_data=None,
     >>> len(history["loss"]), len(sched.staleness)
     (2, 4)
     """
-    from keras_dist import update as update_lib
+    from keras_dist.training import update as update_lib
     from keras_dist.optimizers.base import staleness_aware_in
 
     steps_per_epoch = len(x) // batch_size
@@ -279,7 +279,7 @@ def fit(model, x, y, *, workers, epochs=1, batch_size=32, validation_data=None,
         raise ValueError(f"batch_size={batch_size} is larger than the {len(x)} samples.")
     _check_int(local_steps, "local_steps", 1)
     if local_steps > 1 or outer_optimizer is not None or elastic is not None:
-        from keras_dist.local_steps import check_elastic
+        from keras_dist.training.local_steps import check_elastic
 
         check_elastic(elastic, outer_optimizer)
         return _fit_local(model, x, y, workers=workers, epochs=epochs, batch_size=batch_size,
@@ -325,8 +325,8 @@ def fit(model, x, y, *, workers, epochs=1, batch_size=32, validation_data=None,
 def _fit_local(model, x, y, *, workers, epochs, batch_size, validation_data, seed, k, outer,
                elastic=None, **schedule_kwargs):
     """`fit` with local steps: each scheduled update is one push of k steps."""
-    from keras_dist import stateless
-    from keras_dist import update as update_lib
+    from keras_dist.training import stateless
+    from keras_dist.training import update as update_lib
     from keras_dist.optimizers.base import StalenessAwareOptimizer
 
     optimizer = model.optimizer
@@ -453,7 +453,7 @@ def _replay(model, sched, epochs, samples, examples_per_update, updates_per_epoc
 
 def _set_workers(optimizer, workers):
     """Gives per-worker optimizers (`DANA`) the simulated worker count."""
-    from keras_dist.update import optimizer_chain
+    from keras_dist.training.update import optimizer_chain
 
     for o in optimizer_chain(optimizer):
         if hasattr(o, "workers") and getattr(o, "needs_worker", False):

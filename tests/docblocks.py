@@ -219,7 +219,7 @@ def shell_commands(block):
 
 # ------------------------------------------------------------------ sandbox
 # Brings up loopback in the new network namespace, then becomes the command.
-# (The same ioctl as keras_dist.isolation, without importing TensorFlow.)
+# (The same ioctl as keras_dist.cluster.isolation, without importing TensorFlow.)
 _BOOT = """
 import fcntl, os, socket, struct, sys
 with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:

@@ -110,7 +110,7 @@ class SharedCluster:
             self.dirs[key] = out_dir
             plan.append({"script": script, "args": [str(out_dir), *args]})
         (root / "plan.json").write_text(json.dumps(plan))
-        cmd = [sys.executable, "-m", "keras_dist.launch", "--workers", "2", "--ps", "1",
+        cmd = [sys.executable, "-m", "keras_dist.cluster.launch", "--workers", "2", "--ps", "1",
                "--", sys.executable, "tests/scripts/ps_scenarios.py", str(root / "plan.json")]
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
                               timeout=SHARED_TIMEOUT)

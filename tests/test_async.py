@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(SHARED_TIMEOUT + 60)
 def run_script(tmp_path, script, *args, ps=1, timeout=300):
     """Runs tests/scripts/<script> on a local cluster (2 workers, `ps` ps);
     returns the chief's result.json and the launcher's output."""
-    cmd = [sys.executable, "-m", "keras_dist.launch", "--workers", "2", "--ps", str(ps),
+    cmd = [sys.executable, "-m", "keras_dist.cluster.launch", "--workers", "2", "--ps", str(ps),
            "--", sys.executable, f"tests/scripts/{script}", str(tmp_path), *args]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
@@ -141,7 +141,7 @@ def test_a_killed_worker_is_restarted_and_training_completes(tmp_path):
     import signal
 
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "keras_dist.launch", "--workers", "2", "--ps", "1", "--",
+        [sys.executable, "-m", "keras_dist.cluster.launch", "--workers", "2", "--ps", "1", "--",
          sys.executable, "tests/scripts/ps_long.py", str(tmp_path), "150"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output, killed = [], None

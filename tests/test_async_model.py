@@ -164,7 +164,7 @@ def test_saved_async_model_loads_in_a_fresh_process_after_import_keras_dist(
 def test_async_input_errors_are_clear():
     import tensorflow as tf
 
-    from keras_dist.data import per_worker_input
+    from keras_dist.training.data import per_worker_input
 
     unknown = tf.data.Dataset.range(10).filter(lambda i: i > 2).map(lambda i: (i, i))
     with pytest.raises(ValueError, match="unknown or infinite length; pass `steps_per_epoch`"):
@@ -179,7 +179,7 @@ def test_async_input_errors_are_clear():
 def test_async_input_rejects_weights_beside_a_dataset():
     import tensorflow as tf
 
-    from keras_dist.data import per_worker_input
+    from keras_dist.training.data import per_worker_input
 
     dataset = tf.data.Dataset.from_tensor_slices((np.zeros((4, 2)), np.zeros(4))).batch(2)
     with pytest.raises(ValueError, match="`class_weight` must be None when `x` is a tf.data"):

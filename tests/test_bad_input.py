@@ -170,7 +170,7 @@ LAUNCHER = {
 @pytest.mark.parametrize("name", sorted(LAUNCHER))
 def test_launcher_input(name):
     args, message = LAUNCHER[name]
-    proc = subprocess.run([sys.executable, "-m", "keras_dist.launch", *args], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "keras_dist.cluster.launch", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-1500:]
 
@@ -188,7 +188,7 @@ def test_mismatched_input_shapes_across_workers_fail_fast_without_a_hang():
     0 instead of letting it wait forever, and reports the shape error."""
     start = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "keras_dist.launch", "--workers", "2", "--",
+        [sys.executable, "-m", "keras_dist.cluster.launch", "--workers", "2", "--",
          sys.executable, "tests/scripts/mwms_mismatch.py"],
         cwd=REPO, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 1, proc.stdout[-3000:]

@@ -1,4 +1,4 @@
-"""Tests for `keras_dist.cluster.ClusterConfig`.
+"""Tests for `keras_dist.cluster.config.ClusterConfig`.
 
 Nothing here starts TensorFlow's runtime: cluster specs and resolvers are plain
 Python objects, so the logical-CPU set-up in conftest.py stays valid.
@@ -429,7 +429,7 @@ def _slurm_jobs_env(jobs, procid=0, num_tasks=4):
 
 
 def test_slurm_jobs_env_name_is_public():
-    from keras_dist import cluster
+    from keras_dist.cluster import config as cluster
 
     assert cluster.SLURM_JOBS_ENV == "KERAS_DIST_SLURM_JOBS"
 

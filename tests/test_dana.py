@@ -14,7 +14,7 @@ import pytest
 import keras_dist as kd
 from keras_dist import simulate
 from keras_dist.optimizers import DANA, DynSGD, GapAware
-from keras_dist.update import UpdateInfo
+from keras_dist.training.update import UpdateInfo
 from procs import ASYNC_LEARNS, SHARED_TIMEOUT
 
 ETA, GAMMA = 0.05, 0.9

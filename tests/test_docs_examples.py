@@ -43,7 +43,7 @@ the site), one directive each, several allowed:
 - `<!-- docs-test: file NAME -->`: the Python block is written to NAME in the
   page's work directory, for a shell block to run; not run by itself.
 - `<!-- docs-test: cluster ARGS -->`: the Python block runs as a script
-  under `python -m keras_dist.launch ARGS -- python SCRIPT`; the launcher
+  under `python -m keras_dist.cluster.launch ARGS -- python SCRIPT`; the launcher
   must exit 0.
 - `<!-- docs-test: continue -->`: the Python block continues the page's
   previous Python block (same process and namespace, or appended to its
@@ -169,7 +169,7 @@ def _cluster_job(runner, workdirs, where):
     name = f"docs_test_{block.line}.py"
     with open(os.path.join(cwd, name), "w") as f:
         f.write(script.code)
-    argv = [PYTHON, "-m", "keras_dist.launch", *block.marker("cluster").split(),
+    argv = [PYTHON, "-m", "keras_dist.cluster.launch", *block.marker("cluster").split(),
             "--", "python", name]
     return runner.run(argv, cwd, _env(), CLUSTER_TIMEOUT)
 

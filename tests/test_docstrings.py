@@ -1,7 +1,7 @@
 """The `Example:` blocks of keras_dist's docstrings run, and say what is true.
 
 Every docstring example is collected with the stdlib `doctest` module and run
-as its own test (named after the object, e.g. `keras_dist.training.fit`), so a
+as its own test (named after the object, e.g. `keras_dist.training.api.fit`), so a
 wrong example fails and the failure says where. Every public name in
 `keras_dist.__all__` must carry such an example; for a submodule listed there
 (`keras_dist.optimizers`), that is its module docstring and every name in the
@@ -11,53 +11,28 @@ submodule's own `__all__`.
 import doctest
 import importlib
 import inspect
+import pkgutil
 import re
 
 import pytest
 
 import keras_dist
 
-MODULES = (
-    "keras_dist",
-    "keras_dist.async_executor",
-    "keras_dist.async_model",
-    "keras_dist.callbacks",
-    "keras_dist.callbacks.backup",
-    "keras_dist.callbacks.base",
-    "keras_dist.callbacks.per_replica",
-    "keras_dist.callbacks.straggler",
-    "keras_dist.cluster",
-    "keras_dist.data",
-    "keras_dist.datasets",
-    "keras_dist.flags",
-    "keras_dist.training",
-    "keras_dist.launch",
-    "keras_dist.recipes",
-    "keras_dist.local_steps",
-    "keras_dist.stateless",
-    "keras_dist.sync_executor",
-    "keras_dist.driver",
-    "keras_dist.update",
-    "keras_dist.guard",
-    "keras_dist._plain_fit",
-    "keras_dist.step_report",
-    "keras_dist.optimizers",
-    "keras_dist.optimizers.base",
-    "keras_dist.optimizers.dana",
-    "keras_dist.optimizers.dcasgd",
-    "keras_dist.optimizers.dynsgd",
-    "keras_dist.optimizers.gap_aware",
-    "keras_dist.optimizers.implicit",
-    "keras_dist.optimizers.staleness_limit",
-    "keras_dist.optimizers.staleness_scaled",
-    "keras_dist.serving",
-    "keras_dist.sharded",
-    "keras_dist.simulate",
-    "keras_dist.staleness",
-    "keras_dist.versions",
-    "keras_dist.strategy",
-    "keras_dist.testing",
-)
+def _package_modules():
+    """Every module of the package (so a new one is never left out), each under
+    the name it is defined at: `keras_dist.sharded` and `keras_dist.recipes`
+    are public paths of the same module objects as their implementations."""
+    names = ["keras_dist"]
+    for info in pkgutil.walk_packages(keras_dist.__path__, "keras_dist."):
+        if "._boot" in info.name:
+            continue  # sitecustomize: imported by Python at start-up, no examples
+        module = importlib.import_module(info.name)
+        if module.__name__ == info.name:
+            names.append(info.name)
+    return tuple(sorted(names))
+
+
+MODULES = _package_modules()
 OPTIONFLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 _EXAMPLE_SECTION = re.compile(r"^\s*Examples?:\s*$", re.MULTILINE)
 

@@ -1,4 +1,4 @@
-"""`keras_dist.inflight`: executions counted as they finish, stuck ones judged.
+"""`keras_dist.training.inflight`: executions counted as they finish, stuck ones judged.
 
 The remote values here stand in for TF's `RemoteValue` (anything with a
 blocking `fetch()`); the clock is a test clock where judgement is timed.
@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from keras_dist import inflight
-from keras_dist.inflight import InFlight
+from keras_dist.training import inflight
+from keras_dist.training.inflight import InFlight
 
 
 class Remote:
@@ -101,7 +101,7 @@ def test_only_successes_count_as_finished_and_lost_steps_are_counted(flight):
 def test_a_fetch_that_never_returns_does_not_keep_the_process_alive():
     import subprocess
     import sys
-    code = ("from keras_dist.inflight import InFlight\n"
+    code = ("from keras_dist.training.inflight import InFlight\n"
             "import threading\n"
             "class Never:\n"
             "    def fetch(self): threading.Event().wait()\n"

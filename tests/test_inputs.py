@@ -6,7 +6,7 @@ from the same seeded model and data: the weights agree within 1e-6, the
 History within 1e-6, and so do the steps of each epoch and the "ran out of
 data" warnings. Keras' rule for passes over the data is its
 `EpochIterator._enumerate_iterator` (keras/src/trainers/epoch_iterator.py);
-`test_passes_follow_keras_epoch_iterator` pins `keras_dist.data.Passes` to
+`test_passes_follow_keras_epoch_iterator` pins `keras_dist.training.data.Passes` to
 it directly.
 """
 
@@ -19,7 +19,7 @@ import tensorflow as tf
 
 import keras_dist as kd
 from conftest import CPUS
-from keras_dist import data as data_lib
+from keras_dist.training import data as data_lib
 
 TOLERANCE = 1e-6
 

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from keras_dist import isolation
+from keras_dist.cluster import isolation
 from procs import REPO
 
 pytestmark = pytest.mark.multiprocess
@@ -44,7 +44,7 @@ def serving_ports(extra_args, tmp_path):
     """Starts a chief+worker+ps cluster of real servers; yields their ports."""
     log = open(tmp_path / "launcher.log", "w+")
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "keras_dist.launch", "--workers", "1", "--ps", "1",
+        [sys.executable, "-m", "keras_dist.cluster.launch", "--workers", "1", "--ps", "1",
          *extra_args, "--", sys.executable, "tests/scripts/serve_forever.py"],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 90
@@ -91,7 +91,7 @@ def test_isolated_tasks_share_one_namespace_apart_from_the_host(tmp_path):
         pytest.skip("network namespaces unavailable here")
     script = tmp_path / "ns.py"
     script.write_text("import os\nprint('ns', os.readlink('/proc/self/ns/net'))\n")
-    proc = subprocess.run([sys.executable, "-m", "keras_dist.launch", "--workers", "2",
+    proc = subprocess.run([sys.executable, "-m", "keras_dist.cluster.launch", "--workers", "2",
                            "--", sys.executable, str(script)], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import keras_dist as kd
-from keras_dist import driver
+from keras_dist.training import driver
 
 CPUS = ["/cpu:0", "/cpu:1"]
 

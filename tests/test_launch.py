@@ -11,7 +11,7 @@ import pytest
 
 from procs import REPO
 
-LAUNCH = [sys.executable, "-m", "keras_dist.launch"]
+LAUNCH = [sys.executable, "-m", "keras_dist.cluster.launch"]
 
 
 def launch(args, timeout=120):
@@ -115,7 +115,7 @@ def test_killing_the_launcher_leaves_no_process_behind(tmp_path):
 def test_help_answers_without_importing_tensorflow():
     # The launcher only starts processes: TensorFlow loads in the tasks, not here.
     code = ("import sys\n"
-            "from keras_dist import launch\n"
+            "from keras_dist.cluster import launch\n"
             "try:\n"
             "    launch.main(['--help'])\n"
             "except SystemExit as exit:\n"
@@ -160,7 +160,7 @@ def test_tensorflow_noise_is_dropped_unless_the_user_asks_for_it(tmp_path):
 
 
 def test_a_live_progress_bar_on_a_terminal_stays_one_line():
-    from keras_dist.launch import _Console
+    from keras_dist.cluster.launch import _Console
 
     class Terminal(io.StringIO):
         def isatty(self):

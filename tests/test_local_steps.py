@@ -1,6 +1,6 @@
-"""Local steps (Downpour / local SGD / DiLoCo): keras_dist.local_steps.
+"""Local steps (Downpour / local SGD / DiLoCo): keras_dist.training.local_steps.
 
-In-process: Keras' update rules on tensors (`keras_dist.stateless`) equal
+In-process: Keras' update rules on tensors (`keras_dist.training.stateless`) equal
 the optimizers' own `apply`, and bad options get clear errors. On a real
 cluster (chief, 2 workers, 1 ps): one round of k local steps equals k
 sequential Keras steps, racing workers lose no pushed change, and digits
@@ -14,7 +14,7 @@ import keras
 import tensorflow as tf
 
 import keras_dist as kd
-from keras_dist import stateless
+from keras_dist.training import stateless
 from procs import ASYNC_LEARNS, SHARED_TIMEOUT
 
 OPTIMIZERS = {

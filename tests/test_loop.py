@@ -20,8 +20,8 @@ import tensorflow as tf
 
 import keras_dist as kd
 from conftest import CPUS
-from keras_dist import driver
-from keras_dist.sync_executor import SyncExecutor
+from keras_dist.training import driver
+from keras_dist.training.sync_executor import SyncExecutor
 
 
 def own_fit(model, strategy, *args, **kwargs):
@@ -278,7 +278,7 @@ def test_bad_arguments(strategy, data, kwargs, message):
 
 
 def test_numpy_integer_counts_are_integers(strategy, data):
-    """One rule for counts (keras_dist.data.check_fit_counts): NumPy integers
+    """One rule for counts (keras_dist.training.data.check_fit_counts): NumPy integers
     are accepted for `epochs` and `steps_per_epoch` as Keras accepts them,
     and `evaluate`'s `steps=0` names `steps`."""
     x, y = data

@@ -1,7 +1,7 @@
 """One non-finite rule for one replica and many (issue 32, item 3).
 
 `nonfinite_updates` means the same on one device (Keras' own loop, guarded
-at the optimizer: keras_dist/guard.py) as under Mirrored over two logical
+at the optimizer: keras_dist/training/nonfinite.py) as under Mirrored over two logical
 CPUs (keras_dist's loop): "skip" leaves the weights, the optimizer's slots
 and `iterations` as they were and counts the update, "raise" stops with
 `NonFiniteUpdateError`, and the default is "skip" everywhere. A run whose

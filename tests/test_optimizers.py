@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import keras_dist as kd
-from keras_dist.update import UpdateInfo
+from keras_dist.training.update import UpdateInfo
 from keras_dist.optimizers import DCASGD, DynSGD, GapAware, StalenessLimit, StalenessScaled
 
 LR = 0.1
@@ -365,7 +365,7 @@ def test_an_update_without_pulled_weights_is_refused(make, pulled, received):
 
 
 def test_explicit_update_wins_over_the_provided_one():
-    from keras_dist.update import providing
+    from keras_dist.training.update import providing
 
     opt = kd.optimizers.DynSGD(keras.optimizers.SGD(1.0))
     variables = [keras.Variable(np.zeros((1,), "float32"))]
@@ -384,7 +384,7 @@ def test_gated_writes_skip_everything_or_nothing(name):
     (a tf.Variable inside Keras' TF optimizer)."""
     import tensorflow as tf
 
-    from keras_dist import update
+    from keras_dist.training import update
 
     make = {"sgd_momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
             "adam": lambda: keras.optimizers.Adam(0.1),

@@ -49,7 +49,7 @@ def launch(out, *, ps, max_restarts=2, epochs=EPOCHS, save_freq=10):
     """Starts keras-dist-run; its output goes to out/launcher.txt (`log`)."""
     os.makedirs(out, exist_ok=True)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "keras_dist.launch", "--workers", "2", "--ps", str(ps),
+        [sys.executable, "-m", "keras_dist.cluster.launch", "--workers", "2", "--ps", str(ps),
          "--max-restarts", str(max_restarts), "--", sys.executable, SCRIPT, str(out),
          str(out / "backup"), str(epochs), str(save_freq)],
         cwd=REPO, env=_env(), stdout=open(out / "launcher.txt", "w"),

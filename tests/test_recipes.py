@@ -422,7 +422,7 @@ def test_slurm_script_overrides_a_role_layout_from_the_submitting_shell(tmp_path
 
 
 def test_slurm_jobs_variable_name_is_the_clusters():
-    from keras_dist import cluster
+    from keras_dist.cluster import config as cluster
     assert recipes.SLURM_JOBS_ENV == cluster.SLURM_JOBS_ENV == "KERAS_DIST_SLURM_JOBS"
 
 
@@ -442,7 +442,7 @@ def test_slurm_addresses_follow_srun_placement_on_ten_nodes(tmp_path):
 
 # ------------------------------------------------------------- the launcher
 def _launcher_parser():
-    """The launcher's own options (see keras_dist/launch.py) plus the recipes'."""
+    """The launcher's own options (see keras_dist/cluster/launch.py) plus the recipes'."""
     parser = argparse.ArgumentParser(prog="keras-dist-run")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--ps", type=int, default=0)

@@ -26,7 +26,7 @@ from procs import REPO
 
 
 def launch(out_dir, backup, epochs, crash_epoch, ps):
-    cmd = [sys.executable, "-m", "keras_dist.launch", "--workers", "2", "--ps", str(ps),
+    cmd = [sys.executable, "-m", "keras_dist.cluster.launch", "--workers", "2", "--ps", str(ps),
            "--max-restarts", "0", "--", sys.executable, "tests/scripts/resume_train.py", str(out_dir),
            str(backup), str(epochs), str(crash_epoch)]
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

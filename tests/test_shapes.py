@@ -66,7 +66,7 @@ def _run(block, shape):
     env.update(extra, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join([REPO, env.get("PYTHONPATH", "")]))
     if args:
-        command = [sys.executable, "-m", "keras_dist.launch", *args, "--max-restarts", "0",
+        command = [sys.executable, "-m", "keras_dist.cluster.launch", *args, "--max-restarts", "0",
                    "--", sys.executable, script]
     else:
         command = [sys.executable, script]

@@ -34,7 +34,7 @@ class Cluster:
         env = {k: v for k, v in os.environ.items() if k != "TF_GRPC_DEFAULT_OPTIONS"}
         self.tmp_path, self.lines, self.epoch_ends = tmp_path, [], []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "keras_dist.launch", "--workers", "2", "--ps", "1", "--",
+            [sys.executable, "-m", "keras_dist.cluster.launch", "--workers", "2", "--ps", "1", "--",
              sys.executable, "tests/scripts/ps_stall.py", str(tmp_path), *map(str, args)],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             start_new_session=True)

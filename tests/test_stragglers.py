@@ -46,7 +46,7 @@ def run(tmp_path, *, ps, slow=None, epochs=8, outside=None, churn=0, threshold=T
     env.pop("KERAS_DIST_SLOW_WORKER", None)
     if slow:
         env["KERAS_DIST_SLOW_WORKER"] = slow
-    cmd = [sys.executable, "-m", "keras_dist.launch", "--workers", "2", "--ps", str(ps),
+    cmd = [sys.executable, "-m", "keras_dist.cluster.launch", "--workers", "2", "--ps", str(ps),
            "--", sys.executable, "tests/scripts/straggler_train.py", str(tmp_path),
            str(epochs), str(WINDOW), str(threshold), str(churn), str(batch)]
     tasks = 2 + (2 if ps else 0)

@@ -1,4 +1,4 @@
-"""Tests for `keras_dist.strategy`: choosing and building a strategy.
+"""Tests for `keras_dist.cluster.strategy`: choosing and building a strategy.
 
 `choose_strategy` is tested through its own seams (`devices=`, `environ=`,
 `cluster=`), so every branch runs on a CPU-only machine. `resolve_strategy`
@@ -253,7 +253,7 @@ def test_resolve_parameter_server_rejects_evaluator_task(clean_env):
 
 
 def test_resolve_logs_one_line_with_choice_and_reason(clean_env, keras_dist_log, monkeypatch):
-    from keras_dist import strategy as strategy_lib
+    from keras_dist.cluster import strategy as strategy_lib
 
     monkeypatch.setattr(strategy_lib, "_LOGGED", set())
     resolve_strategy("mirrored", devices=CPUS)

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_dist import staleness
-from keras_dist import step_report
-from keras_dist import update
-from keras_dist.step_report import ReportRing
+from keras_dist.training import staleness
+from keras_dist.training import step_report
+from keras_dist.training import update
+from keras_dist.training.step_report import ReportRing
 
 
 def test_ship_gradients_keeps_values_and_carries_float64_bits_exactly():

@@ -29,7 +29,7 @@ VARIANTS = ("fn", "ds", "arrays")
 
 def run_once(variant, timeout):
     """(exit code or "timeout", seconds, output) of one cluster run."""
-    cmd = [sys.executable, "-m", "keras_dist.launch", "--workers", "2", "--ps", "1",
+    cmd = [sys.executable, "-m", "keras_dist.cluster.launch", "--workers", "2", "--ps", "1",
            "--", sys.executable, SCRIPT, variant]
     start = time.monotonic()
     with subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -3,7 +3,7 @@
 The launcher puts this folder first on `PYTHONPATH`, so Python imports this
 module at start-up. It imports keras_dist (which imports neither Keras nor
 TensorFlow), whose import hook guards Keras' own `model.fit` once Keras is
-imported (`keras_dist._plain_fit`): a script that never hands its training
+imported (`keras_dist.cluster.plain_fit`): a script that never hands its training
 to keras_dist gets keras_dist's error on every task instead of training a
 separate model on each. Then the `sitecustomize` this one shadows, if there
 is one further along the path, runs as it would have.

@@ -19,7 +19,7 @@ import keras
 import numpy as np
 
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
-from keras_dist.cluster import ClusterConfig
+from keras_dist.cluster.config import ClusterConfig
 
 logger = logging.getLogger("keras_dist")
 

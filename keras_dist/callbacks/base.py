@@ -31,7 +31,7 @@ from typing import Optional, Tuple
 import keras
 
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
-from keras_dist.cluster import ClusterConfig
+from keras_dist.cluster.config import ClusterConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +51,7 @@ class ReplicaStep:
             `keras_dist.fit`; NaN elsewhere). The replica everybody waits for
             waits the least.
         stalled: Float. Seconds the replica's process could not run
-            (stopped, or starved of CPU; see `keras_dist.stall`) during the
+            (stopped, or starved of CPU; see `keras_dist.training.stall`) during the
             execution (synchronous training under `keras_dist.fit`; NaN
             elsewhere).
 
@@ -75,7 +75,7 @@ class ReplicaStep:
 
     @classmethod
     def from_report(cls, report, prefix, steps):
-        """From a `keras_dist.step_report.StepReport`; `prefix` is
+        """From a `keras_dist.training.step_report.StepReport`; `prefix` is
         `"worker"` or `"replica"`."""
         return cls(replica=f"{prefix}{report.worker}", steps=steps, seconds=report.seconds,
                    examples=report.examples, loss=report.loss, staleness=report.staleness,

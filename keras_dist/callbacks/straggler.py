@@ -48,7 +48,7 @@ class StragglerDetector(ReplicaCallback):
       pause before the all-reduce, a busy host loop. A worker stopped or
       starved *inside* a collective makes everybody wait alike there, so
       each worker's process also counts the time it could not run
-      (`keras_dist.stall`: a thread that wakes much later than it asked);
+      (`keras_dist.training.stall`: a thread that wakes much later than it asked);
       its excess over the others' is time the job lost to it. The cost is
       the larger of the two, summed over the window, divided by the window's
       wall time. Only intervals on one clock are compared, so clock

@@ -7,9 +7,9 @@ the staleness tau of the update and, for the wrappers that need it, the exact
 weights the worker read for this gradient ("pulled" weights).
 
 The asynchronous executor passes both in as data of the update, a
-`keras_dist.update.UpdateInfo`: as `apply(grads, variables, update=info)`
+`keras_dist.training.update.UpdateInfo`: as `apply(grads, variables, update=info)`
 when the wrapper is the outermost optimizer, or through
-`keras_dist.update.providing(info)` when a `LossScaleOptimizer` (mixed
+`keras_dist.training.update.providing(info)` when a `LossScaleOptimizer` (mixed
 precision), which does not forward extra arguments, sits outside it. A
 wrapper hands the same `update` explicitly to a wrapper inside it. Outside
 asynchronous training the staleness is unknown: the wrapper warns once and
@@ -26,7 +26,7 @@ import keras
 import tensorflow as tf
 
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
-from keras_dist import update as update_lib
+from keras_dist.training import update as update_lib
 
 BASE_OPTIMIZER_ARGUMENTS = (
     "learning_rate", "weight_decay", "clipnorm", "clipvalue", "global_clipnorm",
@@ -146,8 +146,8 @@ class StalenessAwareOptimizer(keras.optimizers.Optimizer):
             grads: List of gradient tensors.
             trainable_variables: List of variables, or `None` for those the
                 optimizer was built with.
-            update: `keras_dist.update.UpdateInfo` or `None` for the one
-                provided by the executor (`keras_dist.update.providing`);
+            update: `keras_dist.training.update.UpdateInfo` or `None` for the one
+                provided by the executor (`keras_dist.training.update.providing`);
                 none at all outside asynchronous training.
         """
         if not self.built:

@@ -4,7 +4,7 @@ import keras
 import tensorflow as tf
 
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
-from keras_dist import update as update_lib
+from keras_dist.training import update as update_lib
 from keras_dist.optimizers.base import StalenessAwareOptimizer, _chain
 
 
@@ -99,7 +99,7 @@ class DANA(StalenessAwareOptimizer):
         self.workers = workers
 
     def build_state(self, var_list):
-        from keras_dist import sharded
+        from keras_dist.training import sharded
 
         if any(sharded.is_sharded(v) for v in var_list):
             raise ValueError("DANA does not support sharded variables (a "
@@ -172,7 +172,7 @@ def _workers_of(strategy):
     """
     if not isinstance(strategy, tf.distribute.ParameterServerStrategy):
         return 1
-    from keras_dist.cluster import ClusterConfig
+    from keras_dist.cluster.config import ClusterConfig
 
     cluster = ClusterConfig.from_env()
     count = len(cluster.cluster.get("worker", ())) if cluster is not None else 0

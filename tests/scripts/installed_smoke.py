@@ -37,7 +37,7 @@ def main():
     check(meta["License-Expression"] == "Apache-2.0",
           f"License-Expression is {meta['License-Expression']!r}, not 'Apache-2.0'")
     scripts = {e.name: e.value for e in importlib.metadata.entry_points(group="console_scripts")}
-    check(scripts.get("keras-dist-run") == "keras_dist.launch:main",
+    check(scripts.get("keras-dist-run") == "keras_dist.cluster.launch:main",
           f"console script keras-dist-run -> {scripts.get('keras-dist-run')!r}")
     launcher = os.path.join(os.path.dirname(sys.executable), "keras-dist-run")
     help_run = subprocess.run([launcher, "--help"], capture_output=True, text=True,

@@ -35,7 +35,7 @@ def fetch_add(variable):
     Example:
 
     >>> import tensorflow as tf
-    >>> from keras_dist.staleness import fetch_add
+    >>> from keras_dist.training.staleness import fetch_add
     >>> v = tf.Variable(tf.constant(5, tf.int64))
     >>> int(fetch_add(v)), int(v.numpy())
     (5, 6)
@@ -53,7 +53,7 @@ class VersionCounter:
 
     Example:
 
-    >>> from keras_dist.staleness import VersionCounter
+    >>> from keras_dist.training.staleness import VersionCounter
     >>> counter = VersionCounter()
     >>> read = counter.read()
     >>> int(counter.increment() - 1 - read)   # nobody else updated: tau = 0
@@ -134,7 +134,7 @@ class StalenessStats:
 
     Example:
 
-    >>> from keras_dist.staleness import StalenessStats, StepRecord
+    >>> from keras_dist.training.staleness import StalenessStats, StepRecord
     >>> stats = StalenessStats()
     >>> stats.add(StepRecord(worker=0, staleness=[0, 1], seconds=0.02))
     >>> stats.add(StepRecord(worker=1, staleness=[1], seconds=0.01))
@@ -188,7 +188,7 @@ def record_synchronous(model):
     Example:
 
     >>> import numpy as np, keras
-    >>> from keras_dist import staleness
+    >>> from keras_dist.training import staleness
     >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     >>> model.compile(optimizer="sgd", loss="mse")
     >>> _ = model.fit(np.ones((8, 2)), np.ones((8, 1)), batch_size=4, verbose=0)

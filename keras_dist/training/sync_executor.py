@@ -11,14 +11,14 @@ So this executor runs the model's own `train_step` / `test_step` through
 and reduces each returned value with `strategy.reduce("MEAN", value,
 axis=None)`, valid for tensors of any rank; epoch logs come from the metrics
 read in cross-replica context (summed over every replica of every worker).
-The driver (`keras_dist.driver`) owns epochs and callbacks.
+The driver (`keras_dist.training.driver`) owns epochs and callbacks.
 
-Around the optimizer's `apply` (see `keras_dist.update`) each replica's
+Around the optimizer's `apply` (see `keras_dist.training.update`) each replica's
 update gets Keras' one-device semantics -- clipping on the global gradient,
 an unevenly split batch averaged over the global batch -- and the
 non-finite policy. With `ReplicaCallback`s (or injected slowdowns) each
 replica also measures its compute time before the all-reduce, its examples
-and its loss, reported through `keras_dist.step_report`.
+and its loss, reported through `keras_dist.training.step_report`.
 """
 
 import contextlib
@@ -30,12 +30,12 @@ import tensorflow as tf
 
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 from keras_dist._runtime import quiet_tf_logger
-from keras_dist import data as data_lib
-from keras_dist import driver
-from keras_dist import guard
-from keras_dist import stall
-from keras_dist import step_report
-from keras_dist import update
+from keras_dist.training import data as data_lib
+from keras_dist.training import driver
+from keras_dist.training import nonfinite as guard
+from keras_dist.training import stall
+from keras_dist.training import step_report
+from keras_dist.training import update
 from keras_dist.callbacks import base as replica_cbs
 
 
@@ -47,13 +47,13 @@ class SyncExecutor(driver.Executor):
         strategy: A `tf.distribute.Strategy` (Mirrored, MultiWorkerMirrored,
             or the default strategy).
         **kwargs: `nonfinite_updates`, `faults`, `cluster`: see
-            `keras_dist.driver.Executor`.
+            `keras_dist.training.driver.Executor`.
 
     Example:
 
     >>> import numpy as np, keras, tensorflow as tf
-    >>> from keras_dist import driver
-    >>> from keras_dist.sync_executor import SyncExecutor
+    >>> from keras_dist.training import driver
+    >>> from keras_dist.training.sync_executor import SyncExecutor
     >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     >>> model.compile(optimizer="sgd", loss="mse")
     >>> executor = SyncExecutor(model, tf.distribute.get_strategy())
@@ -221,7 +221,7 @@ class _StepFunctions:
         self.ran_out = False
 
     def close(self):
-        """Lets the stall probe go (see `keras_dist.stall`)."""
+        """Lets the stall probe go (see `keras_dist.training.stall`)."""
         if self._probe is not None:
             self._probe, _ = None, stall.StallProbe.release()
 
@@ -254,7 +254,7 @@ class _StepFunctions:
                     return logs
                 # One row per replica of every worker: [k steps x fields], and
                 # a row with the time this worker's process stalled since the
-                # last execution (`keras_dist.stall`; per process, not replica).
+                # last execution (`keras_dist.training.stall`; per process, not replica).
                 def rows(stalled, *records):
                     extra = stalled * tf.one_hot(step_report.FIELDS.index("stalled"),
                                                  records[0].shape[0], dtype=tf.float64)

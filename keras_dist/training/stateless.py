@@ -3,7 +3,7 @@
 Keras 3's TensorFlow optimizer refuses `stateless_apply` ("incompatible
 with tf.distribute"): its updates go through `tf.distribute`'s
 `extended.update` on `tf.Variable`s. Local steps on a parameter-server
-worker (`keras_dist.local_steps`) need exactly that stateless form -- k
+worker (`keras_dist.training.local_steps`) need exactly that stateless form -- k
 steps on tensors, the remote variables untouched -- and there is no public
 route to it. This module is the one place that reaches into Keras'
 optimizer internals, and says so: for the duration of one call it gives
@@ -82,7 +82,7 @@ def stateless_apply(optimizer, optimizer_variables, grads, trainable_variables):
     Example:
 
     >>> import keras, tensorflow as tf
-    >>> from keras_dist.stateless import stateless_apply
+    >>> from keras_dist.training.stateless import stateless_apply
     >>> w = keras.Variable([1.0, 2.0])
     >>> opt = keras.optimizers.SGD(0.5)
     >>> opt.build([w])

@@ -29,7 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
-from keras_dist import update
+from keras_dist.training import update
 
 
 @contextlib.contextmanager
@@ -140,7 +140,7 @@ def keras_loop(model, mode, fit, *args, **kwargs):
     Example:
 
     >>> import numpy as np, keras
-    >>> from keras_dist import guard
+    >>> from keras_dist.training import nonfinite as guard
     >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     >>> model.compile(optimizer="sgd", loss="mse")
     >>> x = np.array([[1.0, 2.0]] * 4 + [[np.nan, 1.0]] * 4)  # batches 3 and 4: NaN

@@ -5,7 +5,7 @@ Turns what a user hands to `fit` (arrays or a list / tuple / dict of them, a
 `keras.utils.PyDataset`, or a `tf.distribute.DistributedDataset`) into a
 distributed dataset sharded the TF way, plus the number of steps in one pass
 over it and `Passes`, Keras' rule for which pass each epoch reads. Only used
-where Keras' own data handling cannot be (see `keras_dist.driver`).
+where Keras' own data handling cannot be (see `keras_dist.training.driver`).
 """
 
 import atexit
@@ -201,7 +201,7 @@ def epoch_stream(x, y=None, sample_weight=None, *, batch_size=None, shuffle=True
     Example:
 
     >>> import numpy as np
-    >>> from keras_dist.data import epoch_stream
+    >>> from keras_dist.training.data import epoch_stream
     >>> x = np.arange(5.0)
     >>> whole = [b.numpy().tolist() for (b,) in epoch_stream(x, batch_size=2, epochs=2)]
     >>> len(whole), sorted(sum(whole[:3], []))   # epoch 0: 3 batches, every example once
@@ -352,7 +352,7 @@ class Passes:
 
     Example:
 
-    >>> from keras_dist.data import Passes
+    >>> from keras_dist.training.data import Passes
     >>> passes = Passes(lambda index, skip: f"pass {index}", num_batches=10,
     ...                 steps_per_epoch=4)
     >>> passes.begin_epoch()            # a new pass: an iterator from it
@@ -836,7 +836,7 @@ def readable_here(dataset):
     Example:
 
     >>> import tensorflow as tf
-    >>> from keras_dist.data import readable_here
+    >>> from keras_dist.training.data import readable_here
     >>> ds = tf.data.Dataset.range(3)
     >>> readable_here(ds) is ds   # readable: returned as it is
     True
@@ -860,7 +860,7 @@ def first_batch(dataset):
     Example:
 
     >>> import tensorflow as tf
-    >>> from keras_dist.data import first_batch
+    >>> from keras_dist.training.data import first_batch
     >>> first_batch(tf.data.Dataset.range(3).batch(2)).numpy()
     array([0, 1])
     """

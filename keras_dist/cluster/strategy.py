@@ -30,9 +30,9 @@ import tensorflow as tf
 
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 from keras_dist._runtime import quiet_tf_logger
-from keras_dist import sharded
-from keras_dist.cluster import ClusterConfig
-from keras_dist.serving import configure_grpc, meet_peers, start_server, wait_for_tasks
+from keras_dist.training import sharded
+from keras_dist.cluster.config import ClusterConfig
+from keras_dist.cluster.serving import configure_grpc, meet_peers, start_server, wait_for_tasks
 
 logger = logging.getLogger("keras_dist")
 
@@ -206,7 +206,7 @@ def resolve_strategy(strategy="auto", cluster=None, devices=None, *,
             `MinSizePartitioner(min_shard_bytes=..., max_shards=num_ps)`) that
             splits large variables, such as a big `Embedding`, across the
             parameter servers; Keras models then train with their variables
-            sharded (`keras_dist.sharded`, docs/sharded-variables.md).
+            sharded (`keras_dist.training.sharded`, docs/sharded-variables.md).
             Defaults to `None` (no sharding). Any other strategy raises
             `ValueError` for it.
         connect_timeout: Float. Seconds to wait for the cluster's other

@@ -203,7 +203,7 @@ class UpdateInfo:
 
     Example:
 
-    >>> from keras_dist.update import UpdateInfo, providing, current_update
+    >>> from keras_dist.training.update import UpdateInfo, providing, current_update
     >>> with providing(UpdateInfo(staleness=3)):
     ...     current_update().staleness
     3
@@ -248,7 +248,7 @@ class NonFiniteUpdateError(FloatingPointError):
 
     Example:
 
-    >>> from keras_dist.update import NonFiniteUpdateError
+    >>> from keras_dist.training.update import NonFiniteUpdateError
     >>> issubclass(NonFiniteUpdateError, FloatingPointError)
     True
     """
@@ -280,14 +280,14 @@ class NonFinitePolicy:
     Under a `LossScaleOptimizer` (mixed_float16) that optimizer skips
     non-finite steps itself (and lowers its loss scale); the policy leaves
     the decision to it. The policy is the same on one device, where
-    `keras_dist.fit` guards Keras' own loop with it (`keras_dist.guard`).
+    `keras_dist.fit` guards Keras' own loop with it (`keras_dist.training.nonfinite`).
 
     Args:
         mode: String. `"skip"` or `"raise"`. Defaults to `"skip"`.
 
     Example:
 
-    >>> from keras_dist.update import NonFinitePolicy
+    >>> from keras_dist.training.update import NonFinitePolicy
     >>> NonFinitePolicy("raise").mode
     'raise'
 
@@ -536,7 +536,7 @@ def home_device(variables):
     Example:
 
     >>> import keras
-    >>> from keras_dist.update import home_device
+    >>> from keras_dist.training.update import home_device
     >>> layer = keras.layers.Dense(2)
     >>> layer.build((None, 3))
     >>> home_device(layer.trainable_variables).endswith("CPU:0")
@@ -572,7 +572,7 @@ def ship_gradients(grads, device, extra=None):
     Example:
 
     >>> import tensorflow as tf
-    >>> from keras_dist.update import ship_gradients
+    >>> from keras_dist.training.update import ship_gradients
     >>> grads = [tf.ones((2, 3)), None, tf.zeros((3,))]
     >>> shipped, extra = ship_gradients(grads, "/CPU:0", tf.constant([0.1], tf.float64))
     >>> [None if g is None else tuple(g.shape) for g in shipped], float(extra[0])

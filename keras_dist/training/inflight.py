@@ -68,7 +68,7 @@ class StepCounts:
 
     Example:
 
-    >>> from keras_dist.inflight import StepCounts
+    >>> from keras_dist.training.inflight import StepCounts
     >>> counts = StepCounts(scheduled=100, finished=99, lost=1)
     >>> counts.as_dict()["lost"]
     1
@@ -106,7 +106,7 @@ class InFlight:
 
     Example:
 
-    >>> from keras_dist.inflight import InFlight
+    >>> from keras_dist.training.inflight import InFlight
     >>> class Done:  # anything with fetch(), like a TF RemoteValue
     ...     def __init__(self, value): self.value = value
     ...     def fetch(self): return self.value

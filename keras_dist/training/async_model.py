@@ -4,9 +4,10 @@ import keras
 import tensorflow as tf
 
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
-from keras_dist import sharded, testing
-from keras_dist.cluster import ClusterConfig
-from keras_dist.serving import serve
+from keras_dist import faults
+from keras_dist.training import sharded
+from keras_dist.cluster.config import ClusterConfig
+from keras_dist.cluster.serving import serve
 
 
 def _functional_arguments(args, kwargs):
@@ -75,7 +76,7 @@ class AsyncModel(keras.Model):
     `keras_dist.resolve_strategy()` returns on a cluster with `ps` tasks): its
     variables then live on the parameter servers, and `fit` schedules the
     model's own `train_step` -- Keras', or your override -- on the workers
-    through TF's `ClusterCoordinator` (`keras_dist.async_executor`). Each
+    through TF's `ClusterCoordinator` (`keras_dist.training.async_executor`). Each
     worker applies its update as soon as it has it; nobody waits for
     anybody. What a `train_step` may do there: docs/custom-train-step.md.
 
@@ -186,8 +187,8 @@ class AsyncModel(keras.Model):
                 the way towards each other (docs/local-steps.md).
             **kwargs: `keras.Model.fit`'s arguments.
         """
-        from keras_dist import data as data_lib
-        from keras_dist import local_steps as local_steps_lib
+        from keras_dist.training import data as data_lib
+        from keras_dist.training import local_steps as local_steps_lib
 
         data_lib.check_fit_counts(**kwargs)
         strategy = self.distribute_strategy
@@ -195,22 +196,22 @@ class AsyncModel(keras.Model):
             serve_if_serving_task()  # a worker / ps task of the cluster serves here
         local_steps_lib.check(self, strategy, local_steps, outer_optimizer, elastic)
         if isinstance(strategy, tf.distribute.ParameterServerStrategy):
-            from keras_dist import driver
-            from keras_dist.async_executor import AsyncExecutor
+            from keras_dist.training import driver
+            from keras_dist.training.async_executor import AsyncExecutor
 
             executor = AsyncExecutor(self, strategy, local_steps=local_steps,
                                      outer_optimizer=outer_optimizer, elastic=elastic,
                                      nonfinite_updates=self.nonfinite_updates,
-                                     faults=testing.faults_from_env(),
+                                     faults=faults.faults_from_env(),
                                      cluster=ClusterConfig.from_env())
             return driver.fit(executor, x, y, **kwargs)
         # Any other strategy: what `keras_dist.fit` does there (Keras' own
         # loop with the non-finite policy in it, or keras_dist's where
         # Keras' fails), on Keras' own `fit` of this model.
-        from keras_dist import training
+        from keras_dist.training import api as training
 
         setup = dict(nonfinite_updates=self.nonfinite_updates,
-                     faults=testing.faults_from_env(), cluster=ClusterConfig.from_env())
+                     faults=faults.faults_from_env(), cluster=ClusterConfig.from_env())
         return training.fit_synchronously(self, strategy, super().fit, x, y, setup, **kwargs)
 
     @property
@@ -234,8 +235,8 @@ class AsyncModel(keras.Model):
                                     sample_weight=sample_weight, steps=steps,
                                     callbacks=callbacks, return_dict=return_dict,
                                     **kwargs)
-        from keras_dist import driver
-        from keras_dist.sync_executor import SyncExecutor
+        from keras_dist.training import driver
+        from keras_dist.training.sync_executor import SyncExecutor
 
         # On the chief, under the default strategy, reading the weights on
         # the parameter servers (embedding rows only: sharded.prepare).
@@ -250,7 +251,7 @@ class AsyncModel(keras.Model):
         if not isinstance(self.distribute_strategy, tf.distribute.ParameterServerStrategy):
             return super().predict(x, batch_size=batch_size, verbose=verbose,
                                    steps=steps, callbacks=callbacks)
-        from keras_dist import driver
+        from keras_dist.training import driver
 
         return driver.predict_here(self, x, batch_size=batch_size, verbose=verbose,
                                    steps=steps, callbacks=callbacks)

@@ -15,7 +15,7 @@ import socket
 from typing import Mapping, Optional, Tuple
 
 # TensorFlow is imported inside the few methods that need it: the launcher and
-# keras_dist.recipes use this module without loading TensorFlow.
+# keras_dist.cluster.recipes use this module without loading TensorFlow.
 
 ROLES = ("chief", "worker", "ps", "evaluator")
 """Role names a cluster may contain, in TensorFlow's spelling."""
@@ -335,7 +335,7 @@ class ClusterConfig:
                 f"SLURM_PROCID={rank} is out of range for a step of "
                 f"SLURM_STEP_NUM_TASKS={num_tasks} tasks (0..{num_tasks - 1})."
             )
-        from keras_dist import _slurm
+        from keras_dist.cluster import slurm as _slurm
 
         addresses = _slurm.rank_addresses(
             env["SLURM_STEP_NODELIST"], env["SLURM_STEP_TASKS_PER_NODE"], port_base)
@@ -571,7 +571,7 @@ def free_ports(count, host="127.0.0.1"):
 
     Example:
 
-    >>> from keras_dist.cluster import free_ports
+    >>> from keras_dist.cluster.config import free_ports
     >>> len(set(free_ports(3)))
     3
     """

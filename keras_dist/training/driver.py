@@ -8,9 +8,9 @@ validation (`validation_split`, `validation_data`, `validation_freq`),
 the optimizer's `finalize_variable_values` at the end (EMA weights). It
 asks an executor for the steps:
 
-- `keras_dist.sync_executor.SyncExecutor`: `strategy.run(model.train_step)`
+- `keras_dist.training.sync_executor.SyncExecutor`: `strategy.run(model.train_step)`
   plus the gradient all-reduce (Mirrored, MultiWorkerMirrored);
-- `keras_dist.async_executor.AsyncExecutor`: closures of the model's
+- `keras_dist.training.async_executor.AsyncExecutor`: closures of the model's
   `train_step` scheduled through `ClusterCoordinator` (parameter servers).
 
 An executor has `train_input(...)` / `eval_input(...)` (returning an object
@@ -33,9 +33,9 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
-from keras_dist import data as data_lib
-from keras_dist import guard
-from keras_dist import update
+from keras_dist.training import data as data_lib
+from keras_dist.training import nonfinite as guard
+from keras_dist.training import update
 from keras_dist.callbacks import base as replica_cbs
 
 
@@ -62,8 +62,8 @@ class Executor:
         model: A compiled `keras.Model` created in `strategy`'s scope.
         strategy: The `tf.distribute.Strategy` to run steps under.
         nonfinite_updates: String. `"skip"` (count) or `"raise"`; see
-            `keras_dist.update.NonFinitePolicy`. Defaults to `"skip"`.
-        faults: `keras_dist.testing.FaultInjection` or `None`.
+            `keras_dist.training.update.NonFinitePolicy`. Defaults to `"skip"`.
+        faults: `keras_dist.faults.FaultInjection` or `None`.
         cluster: `keras_dist.ClusterConfig` or `None` (a single process).
             Who reports (the chief) and how many workers there are come
             from it, as `keras_dist.fit` passed it down.
@@ -324,7 +324,7 @@ def predict_here(model, x, *, batch_size=None, verbose="auto", steps=None, callb
     variable reads this process's copy, so no replica or worker waits for
     another. Callbacks see Keras' `on_predict_*` calls.
     """
-    from keras_dist import sharded
+    from keras_dist.training import sharded
 
     dist = model.distribute_strategy
     if isinstance(dist, tf.distribute.ParameterServerStrategy):

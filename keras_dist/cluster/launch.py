@@ -3,7 +3,7 @@
     keras-dist-run --workers 2 --ps 1 -- python examples/train_digits.py --epochs 5
 
 Runs the cluster inside a private network namespace (see
-`keras_dist.isolation`; `--no-isolate` opts out), picks free loopback ports,
+`keras_dist.cluster.isolation`; `--no-isolate` opts out), picks free loopback ports,
 starts one process per task with its own
 `TF_CONFIG` (the same script everywhere; it learns its role from
 `TF_CONFIG`), prefixes every output line with the task (`[worker:1] ...`),
@@ -27,8 +27,9 @@ import tempfile
 import threading
 import time
 
-from keras_dist import isolation, recipes
-from keras_dist.cluster import ClusterConfig
+from keras_dist.cluster import isolation
+from keras_dist.cluster import recipes
+from keras_dist.cluster.config import ClusterConfig
 
 GRACE_SECONDS = 5.0
 """Seconds stopped tasks get between SIGTERM and SIGKILL when the job ends."""
@@ -136,7 +137,7 @@ class Cluster:
         self.env[STATE_ENV] = self.state_dir
         if config.cluster.get("ps"):
             # Every task imports keras_dist at start-up, whose guard refuses
-            # Keras' own model.fit there (keras_dist/_plain_fit.py): a script
+            # Keras' own model.fit there (keras_dist/cluster/plain_fit.py): a script
             # that never hands its training to keras_dist fails on every
             # task instead of training one model per task.
             boot = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_boot")
@@ -367,7 +368,7 @@ def _signal_group(proc, sig):
 
 
 def main(argv=None):
-    """Entry point of `keras-dist-run` (also `python -m keras_dist.launch`)."""
+    """Entry point of `keras-dist-run` (also `python -m keras_dist.cluster.launch`)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     if args.emit is not None:
@@ -381,7 +382,7 @@ def main(argv=None):
             # Become the same launcher inside a private network namespace: same
             # PID, so signals to it still reach the launcher that owns the tasks.
             sys.stdout.flush()
-            os.execv(command[0], command + [sys.executable, "-m", "keras_dist.launch",
+            os.execv(command[0], command + [sys.executable, "-m", "keras_dist.cluster.launch",
                                             "--_in-namespace", *argv])
         print(f"[keras-dist-run] warning: cannot isolate the cluster: {reason}. Its "
               "TensorFlow ports (no authentication) are reachable from the network; "

@@ -44,7 +44,7 @@ def ps_task(environ=None):
         task = config.get("task") or {}
         ps = cluster.get("ps") or []
     except (ValueError, AttributeError):
-        return None  # keras_dist.cluster reports a bad TF_CONFIG where it is read
+        return None  # keras_dist.cluster.config reports a bad TF_CONFIG where it is read
     if not ps:
         return None
     return task.get("type"), task.get("index", 0), len(ps)

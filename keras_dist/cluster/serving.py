@@ -14,7 +14,7 @@ import time
 import tensorflow as tf
 
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
-from keras_dist.cluster import ClusterConfig
+from keras_dist.cluster.config import ClusterConfig
 
 logger = logging.getLogger("keras_dist")
 
@@ -74,7 +74,7 @@ def configure_grpc(environ=None):
 
     Example:
 
-    >>> from keras_dist.serving import configure_grpc
+    >>> from keras_dist.cluster.serving import configure_grpc
     >>> env = {}
     >>> configure_grpc(env).split(",")[0]
     'grpc.keepalive_time_ms=5000'

@@ -14,7 +14,7 @@ synchronous executor reduces its logs the Keras way). `loss_sum` and
 the staleness of each update (asynchronous only; none in synchronous
 training). `waited` is the time a synchronous replica spent at the
 all-reduce waiting for the others, and `stalled` the time its process
-could not run (`keras_dist.stall`); both NaN in asynchronous training.
+could not run (`keras_dist.training.stall`); both NaN in asynchronous training.
 `claimed` is the time from the execution's start to its last update's
 claim of a version (asynchronous only): the window in which other updates
 make it stale.
@@ -29,7 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
-from keras_dist import staleness
+from keras_dist.training import staleness
 
 FIELDS = ("worker", "seconds", "examples", "loss_sum", "loss_count", "skipped", "waited",
           "stalled", "claimed")
@@ -203,7 +203,7 @@ class ReportRing:
     Example:
 
     >>> import tensorflow as tf
-    >>> from keras_dist.step_report import ReportRing
+    >>> from keras_dist.training.step_report import ReportRing
     >>> ring = ReportRing(width=8, capacity=4)
     >>> ring.write(tf.constant([1.0, 2.0], tf.float64), 1, taus=[tf.constant(3)])
     >>> [(k, skipped, report.tolist()) for k, skipped, report in ring.take()]

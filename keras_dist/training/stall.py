@@ -27,7 +27,7 @@ class StallProbe:
 
     Example:
 
-    >>> from keras_dist.stall import StallProbe
+    >>> from keras_dist.training.stall import StallProbe
     >>> probe = StallProbe.acquire()
     >>> before = probe.stalled()
     >>> probe.stalled() - before < 0.01   # nothing stopped this process

@@ -6,7 +6,7 @@ With `local_steps=k`, each scheduled execution on a worker
    once (one round trip, together with the parameter version);
 2. runs k training steps on that copy with Keras 3's stateless API
    (`keras.StatelessScope` around the model, `stateless_apply` for the
-   optimizer -- see `keras_dist.stateless`): Keras' own loss, metrics and
+   optimizer -- see `keras_dist.training.stateless`): Keras' own loss, metrics and
    update rules, no round trip;
 3. pushes the change `delta = w_k - w_pulled` with TF's atomic
    `assign_add` (the optimizer's step count adds k; its slots are the
@@ -42,10 +42,10 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
-from keras_dist import driver
-from keras_dist import stateless
-from keras_dist import step_report
-from keras_dist import update
+from keras_dist.training import driver
+from keras_dist.training import stateless
+from keras_dist.training import step_report
+from keras_dist.training import update
 from keras_dist.optimizers.base import StalenessAwareOptimizer
 
 
@@ -55,7 +55,7 @@ def check(model, strategy, local_steps, outer_optimizer, elastic=None):
     Example:
 
     >>> import keras, tensorflow as tf
-    >>> from keras_dist import local_steps
+    >>> from keras_dist.training import local_steps
     >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     >>> model.compile("sgd", "mse")
     >>> local_steps.check(model, tf.distribute.get_strategy(), 1, None)
@@ -167,7 +167,7 @@ class ElasticCopies:
     Example:
 
     >>> import keras
-    >>> from keras_dist.local_steps import ElasticCopies
+    >>> from keras_dist.training.local_steps import ElasticCopies
     >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     >>> copies = ElasticCopies(model, workers=4, alpha=0.2)
     >>> [tuple(v.shape) for v in copies.variables]

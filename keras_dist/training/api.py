@@ -2,7 +2,7 @@
 
 `fit` resolves the strategy (`resolve_strategy`), makes sure the model lives
 in that strategy's scope, and trains with Keras' own loop where it works (no
-strategy, one device) and with keras_dist's epoch driver (`keras_dist.driver`)
+strategy, one device) and with keras_dist's epoch driver (`keras_dist.training.driver`)
 elsewhere: the synchronous executor where Keras 3's loop fails (several
 replicas: Mirrored, MultiWorkerMirrored), the asynchronous one on parameter
 servers. The cluster description and fault injection are read here, once,
@@ -16,21 +16,21 @@ import logging
 import keras
 import tensorflow as tf
 
-from keras_dist import _plain_fit
+from keras_dist.cluster import plain_fit as _plain_fit
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
-from keras_dist import data as data_lib
-from keras_dist import driver
-from keras_dist import guard
-from keras_dist import local_steps as local_steps_lib
-from keras_dist import strategy as strategy_lib
-from keras_dist import staleness
-from keras_dist import testing
-from keras_dist import update
-from keras_dist.async_executor import AsyncExecutor
-from keras_dist.async_model import AsyncModel, serve_if_serving_task
-from keras_dist.cluster import ClusterConfig
-from keras_dist.data import is_dataset_fn
-from keras_dist.sync_executor import SyncExecutor
+from keras_dist.training import data as data_lib
+from keras_dist.training import driver
+from keras_dist.training import nonfinite as guard
+from keras_dist.training import local_steps as local_steps_lib
+from keras_dist.cluster import strategy as strategy_lib
+from keras_dist.training import staleness
+from keras_dist import faults
+from keras_dist.training import update
+from keras_dist.training.async_executor import AsyncExecutor
+from keras_dist.training.async_model import AsyncModel, serve_if_serving_task
+from keras_dist.cluster.config import ClusterConfig
+from keras_dist.training.data import is_dataset_fn
+from keras_dist.training.sync_executor import SyncExecutor
 
 logger = logging.getLogger("keras_dist")
 
@@ -66,7 +66,7 @@ def fit(model, x=None, y=None, *, strategy="auto", cluster=None, nonfinite_updat
     `distribute_datasets_from_function` convention; needs `steps_per_epoch`).
     Arrays and datasets are sharded across workers the TF way (a whole batch
     per step is split over all replicas). With `steps_per_epoch`, epochs
-    read passes over the input as Keras' do (`keras_dist.data.Passes`).
+    read passes over the input as Keras' do (`keras_dist.training.data.Passes`).
 
     Args:
         model: A compiled `keras.Model`, or a function returning one.
@@ -79,7 +79,7 @@ def fit(model, x=None, y=None, *, strategy="auto", cluster=None, nonfinite_updat
             `nonfinite_updates` attribute if it has one, else `"skip"`. What
             happens to an update whose gradients are NaN or Inf, the same on
             one device (Keras' own loop, guarded at the optimizer:
-            `keras_dist.guard`) as on several replicas and parameter
+            `keras_dist.training.nonfinite`) as on several replicas and parameter
             servers: skip it (weights, optimizer slots and `iterations`
             untouched) and count it (`skipped_nonfinite` in the logs of an
             epoch that skipped one), or raise `NonFiniteUpdateError`. Under
@@ -150,7 +150,7 @@ def fit(model, x=None, y=None, *, strategy="auto", cluster=None, nonfinite_updat
     dist = strategy_lib.resolve_strategy(strategy, cluster, variable_partitioner=variable_partitioner)
     model = _model_in_scope(model, dist)
     mode = nonfinite_updates or getattr(model, "nonfinite_updates", None) or "skip"
-    setup = dict(nonfinite_updates=mode, faults=testing.faults_from_env(), cluster=cluster)
+    setup = dict(nonfinite_updates=mode, faults=faults.faults_from_env(), cluster=cluster)
     local_steps_lib.check(model, dist, local_steps, outer_optimizer, elastic)
     if isinstance(dist, tf.distribute.ParameterServerStrategy):
         if _convertible(model):

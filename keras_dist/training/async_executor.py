@@ -5,12 +5,12 @@ executor drives the model's own `train_step` -- Keras' or a user's override --
 through TF's public `tf.distribute.coordinator.ClusterCoordinator`: each
 scheduled closure runs `steps_per_execution` steps on whichever worker is
 free, and each step's update is applied on the parameter servers without
-waiting for anyone. The driver (`keras_dist.driver`) keeps Keras' callbacks,
+waiting for anyone. The driver (`keras_dist.training.driver`) keeps Keras' callbacks,
 progress bar and `History`; batch-level hooks fire as the closures' results
 come back (`on_train_batch_begin` when a closure is scheduled,
 `on_train_batch_end` when its report is read, in the order the executions
 finished). Progress is what has finished, never what was scheduled first
-(`keras_dist.inflight`): a stopped worker holds back only its own step,
+(`keras_dist.training.inflight`): a stopped worker holds back only its own step,
 which is replaced once judged stuck and counts when it lands.
 
 Around each `train_step` the executor adds, explicitly:
@@ -21,17 +21,17 @@ Around each `train_step` the executor adds, explicitly:
   workers claimed between this step's read and its claim;
 - the update: the step's call of `optimizer.apply` is captured and applied
   once the step returns, with tau, the pulled weights and the worker handed
-  to staleness-aware optimizers as data (`keras_dist.update.UpdateInfo`),
-  under the non-finite policy (`keras_dist.update.NonFinitePolicy`); the
+  to staleness-aware optimizers as data (`keras_dist.training.update.UpdateInfo`),
+  under the non-finite policy (`keras_dist.training.update.NonFinitePolicy`); the
   optimizer's `iterations` counts with TF's atomic `assign_add`
-  (`keras_dist.update.atomic_iterations`): Keras' read-then-write loses
+  (`keras_dist.training.update.atomic_iterations`): Keras' read-then-write loses
   increments when workers race, and costs two transfers in a row;
 - transfers cut to the bone when every weight lives on one parameter
   server: the gradients go there in one transfer and the whole update runs
-  there (`keras_dist.update.ship_gradients`); the taus stay there until the
+  there (`keras_dist.training.update.ship_gradients`); the taus stay there until the
   execution's end; at `steps_per_execution=1` the execution's report rides
   with the gradients and is kept in a ring there that the chief reads every
-  few executions (`keras_dist.step_report.ReportRing`) instead of being
+  few executions (`keras_dist.training.step_report.ReportRing`) instead of being
   returned and copied one by one;
 - exact metrics under concurrency, without a round trip: the step runs in
   a `keras.StatelessScope` in which every metric variable starts from zero
@@ -58,19 +58,19 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
-from keras_dist import data as data_lib
-from keras_dist import driver
-from keras_dist import guard
-from keras_dist import inflight
-from keras_dist import local_steps as local_steps_lib
-from keras_dist import sharded
-from keras_dist import step_report
-from keras_dist import update
+from keras_dist.training import data as data_lib
+from keras_dist.training import driver
+from keras_dist.training import nonfinite as guard
+from keras_dist.training import inflight
+from keras_dist.training import local_steps as local_steps_lib
+from keras_dist.training import sharded
+from keras_dist.training import step_report
+from keras_dist.training import update
 from keras_dist.callbacks import base as replica_cbs
 from keras_dist.optimizers.base import StalenessAwareOptimizer, staleness_aware_in
-from keras_dist.staleness import StalenessStats, StepRecord, VersionCounter
+from keras_dist.training.staleness import StalenessStats, StepRecord, VersionCounter
 from keras_dist._runtime import quiet_tf_logger
-from keras_dist.sync_executor import SyncExecutor
+from keras_dist.training.sync_executor import SyncExecutor
 
 logger = logging.getLogger("keras_dist")
 
@@ -79,7 +79,7 @@ WINDOW_PER_WORKER = 16
 
 SHIP_GRADIENTS = True
 """Send a step's gradients to their parameter server in one transfer and
-run the update there (`keras_dist.update.ship_gradients`) when all the
+run the update there (`keras_dist.training.update.ship_gradients`) when all the
 weights live on one; `False` sends each gradient on its own (as measured
 against in `benchmarks/ps_throughput.py`)."""
 
@@ -109,7 +109,7 @@ class AsyncExecutor(driver.Executor):
         model: A compiled `keras.Model` created in `strategy`'s scope.
         strategy: A `tf.distribute.ParameterServerStrategy`.
         **kwargs: `nonfinite_updates`, `faults`, `cluster`: see
-            `keras_dist.driver.Executor`.
+            `keras_dist.training.driver.Executor`.
 
     `steps_per_epoch` counts updates from all workers together; for arrays
     it defaults to one pass over the data (`ceil(samples / batch_size)`).
@@ -244,7 +244,7 @@ class AsyncExecutor(driver.Executor):
     def train_epoch(self, train_input):
         """Yields the epoch's events; the epoch ends once `steps` steps have
         finished, in whatever order and on whichever workers they ran
-        (`keras_dist.inflight`). Executions still running then (stuck on a
+        (`keras_dist.training.inflight`). Executions still running then (stuck on a
         stopped worker, or started before a late one landed) stay in flight
         and count in the epoch they land in."""
         steps, per_call = train_input.steps, self._per_call
@@ -585,7 +585,7 @@ class _AsyncState:
 
     def step_function(self, k, faults, local=False, outer=None, elastic=None, ring=None):
         """The `tf.function` running `k` steps on a worker (with `local`: one
-        round of local steps, `keras_dist.local_steps`); cached (like Keras'
+        round of local steps, `keras_dist.training.local_steps`); cached (like Keras'
         `train_function`) so later epochs and `fit` calls do not retrace.
         Keyed by the optimizers too: a new compile() must not reuse a
         function that captured the old optimizer."""
@@ -828,7 +828,7 @@ class ChiefMetrics:
     Example:
 
     >>> import numpy as np, keras
-    >>> from keras_dist.async_executor import ChiefMetrics
+    >>> from keras_dist.training.async_executor import ChiefMetrics
     >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     >>> model.compile("sgd", "mse")
     >>> history = model.fit(np.ones((4, 2)), np.ones((4, 1)), verbose=0)  # builds the metrics

@@ -1,0 +1,16 @@
+"""Where the processes come from and how they find each other.
+
+- `config`: `ClusterConfig`, the one reading of `TF_CONFIG`, SLURM and
+  Kubernetes-style environments;
+- `slurm`: SLURM's variables turned into tasks;
+- `strategy`: which `tf.distribute` strategy a cluster and its devices get
+  (`choose_strategy`, `build_strategy`, `resolve_strategy`);
+- `serving`: the worker and ps tasks' `tf.distribute.Server`, the waits for
+  peers, gRPC settings;
+- `launch`: the `keras-dist-run` launcher; `isolation`: its per-task
+  process groups; `recipes`: the TFJob and SLURM files it emits;
+- `plain_fit`: Keras' own `model.fit` refused on parameter-server tasks.
+
+Nothing here imports TensorFlow at import time except `strategy` and
+`serving`, so the launcher and the recipes start instantly.
+"""
