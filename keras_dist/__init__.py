@@ -82,6 +82,13 @@ from keras_dist import _registration  # noqa: E402
 
 _registration.install()
 
+# gRPC keepalive for cluster channels: a cut-off or stopped peer becomes an
+# error instead of an endless wait. Set here, once, before keras_dist opens
+# any channel; nothing below writes the environment (see cluster.keepalive).
+from keras_dist.cluster import keepalive as _keepalive  # noqa: E402
+
+_keepalive.configure_grpc()
+
 
 _logger = logging.getLogger("keras_dist")
 if not _logger.handlers:

@@ -21,6 +21,7 @@ import tensorflow as tf
 import keras_dist as kd
 from conftest import CPUS
 from keras_dist.training import driver
+from keras_dist.training.plan import RunPlan
 from keras_dist.training.sync_executor import SyncExecutor
 
 
@@ -298,7 +299,7 @@ def test_only_the_leading_task_shows_a_live_progress_bar(strategy, data, task, l
         "cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
         "task": {"type": task[0], "index": task[1]}})
     model = build(strategy)
-    driver.fit(SyncExecutor(model, strategy, cluster=cluster), *data, epochs=1,
+    driver.fit(SyncExecutor(model, RunPlan(strategy=strategy, cluster=cluster)), *data, epochs=1,
                batch_size=50)  # verbose="auto", as by default
     shown = capsys.readouterr().out
     assert ("\r" in shown or "\b" in shown) == live, repr(shown)

@@ -19,7 +19,6 @@ import keras
 import numpy as np
 
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
-from keras_dist.cluster.config import ClusterConfig
 
 logger = logging.getLogger("keras_dist")
 
@@ -172,10 +171,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.grace_period = float(grace_period)
         self.restored_epoch = self.restored_step = None
         self.restored_history = None
-        cluster = ClusterConfig.from_env()
-        self._chief = cluster is None or cluster.is_chief
-        self._workers = 1 if cluster is None else (
-            len(cluster.cluster.get("worker", ())) + len(cluster.cluster.get("chief", ())))
+        # What the run's plan says (`_kd_bind_plan`, when keras_dist's loop
+        # starts); until then, one process that leads and no launcher.
+        self._chief = True
+        self._workers = 1
+        self._run_state = None
         self._lock = None
         self._writer = None  # the thread writing the last backup
         self._write_error = None
@@ -189,6 +189,13 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._done = 0  # steps done in the epoch in progress
         self._since = 0  # steps since the last backup
         self._history = {}
+
+    def _kd_bind_plan(self, plan):
+        """Takes what the run's `RunPlan` decided: whether this task leads,
+        how many tasks train together, the launcher's run-state directory."""
+        self._chief = bool(plan.is_chief)
+        self._workers = plan.replica_workers
+        self._run_state = plan.run_state
 
     # ------------------------------------------------------------- restoring
     def latest(self):
@@ -415,7 +422,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                         atomic=True)
             _fsync_dir(self.backup_dir)
             self._prune(keep_name=name)
-            _tell_launcher(final)
+            _tell_launcher(self._run_state, final)
         finally:
             if staging is not None:
                 shutil.rmtree(staging, ignore_errors=True)
@@ -634,10 +641,9 @@ def _assign(variables, path):
         variable.assign(array)
 
 
-def _tell_launcher(path):
-    """Notes the backup in force where `keras-dist-run` looks (it names it
-    when it restarts the job)."""
-    state = os.environ.get("KERAS_DIST_RUN_STATE")
+def _tell_launcher(state, path):
+    """Notes the backup in force where `keras-dist-run` looks (`state`, its
+    run-state directory, or `None`): it names it when it restarts the job."""
     if state and os.path.isdir(state):
         with contextlib.suppress(OSError):
             _write_json(os.path.join(state, "backup.json"), {"path": path}, atomic=True)

@@ -31,7 +31,6 @@ from typing import Optional, Tuple
 import keras
 
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
-from keras_dist.cluster.config import ClusterConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,10 +153,9 @@ class ReplicaCallback(keras.callbacks.Callback):
     @property
     def is_chief(self):
         """Whether this process reports (the chief, or the only process)."""
-        if self._chief is None:
-            cluster = ClusterConfig.from_env()
-            self._chief = cluster is None or cluster.is_chief
-        return self._chief
+        # Told by keras_dist's loop (`bind_plan`); elsewhere (Keras' own
+        # loop in one process) this process is the only one.
+        return True if self._chief is None else self._chief
 
 
 def replica_callbacks(callbacks):
@@ -166,13 +164,18 @@ def replica_callbacks(callbacks):
     return [cb for cb in items if isinstance(cb, ReplicaCallback)]
 
 
-def bind_cluster(callbacks, is_chief):
-    """Tells the callbacks that report on the chief only whether this is it
-    (from the cluster `fit` was given, not the environment)."""
+def bind_plan(callbacks, plan):
+    """Hands the run's plan (`keras_dist.training.plan.RunPlan`) to the
+    callbacks that need what it decided: those that report on the chief only
+    learn whether this is it, a `BackupAndRestore` its cluster and the
+    launcher's run-state directory. Nothing reads the environment for them."""
     items = getattr(callbacks, "callbacks", callbacks) or []
     for callback in items:
         if hasattr(callback, "_chief"):
-            callback._chief = bool(is_chief)
+            callback._chief = bool(plan.is_chief)
+        bind = getattr(callback, "_kd_bind_plan", None)
+        if bind is not None:
+            bind(plan)
 
 
 def feed(callbacks, batch, steps):

@@ -32,7 +32,7 @@ from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks
 from keras_dist._runtime import quiet_tf_logger
 from keras_dist.training import sharded
 from keras_dist.cluster.config import ClusterConfig
-from keras_dist.cluster.serving import configure_grpc, meet_peers, start_server, wait_for_tasks
+from keras_dist.cluster.serving import meet_peers, start_server, wait_for_tasks
 
 logger = logging.getLogger("keras_dist")
 
@@ -245,7 +245,14 @@ def resolve_strategy(strategy="auto", cluster=None, devices=None, *,
                 "tf.distribute.ParameterServerStrategy(..., variable_partitioner=...) "
                 "yourself, or pass strategy='auto' / 'parameter_server'.")
         return strategy
-    choice = choose_strategy(strategy, cluster, devices)
+    return resolve_choice(choose_strategy(strategy, cluster, devices),
+                          variable_partitioner=variable_partitioner,
+                          connect_timeout=connect_timeout)
+
+
+def resolve_choice(choice, *, variable_partitioner=None, connect_timeout=120.0):
+    """Logs the line saying which strategy `choice` names and why (once per
+    process), and builds it (`build_strategy`)."""
     line = f"keras_dist: using {choice.kind.value} strategy ({choice.reason})"
     # Once per process (resolve_strategy() then kd.fit logged it twice).
     logger.log(logging.DEBUG if line in _LOGGED else logging.INFO, "%s", line)
@@ -318,6 +325,7 @@ def build_strategy(choice, *, variable_partitioner=None, connect_timeout=120.0):
             _PARTITIONERS[key] = variable_partitioner
         else:
             _STRATEGIES[key] = _multi_worker(choice.cluster, connect_timeout)
+        _CLUSTERS[id(_STRATEGIES[key])] = choice.cluster
     elif (kind is StrategyKind.PARAMETER_SERVER and variable_partitioner is not None
           and _PARTITIONERS[key] is not variable_partitioner):
         # One coordinator per process: the strategy cannot be built again
@@ -333,6 +341,18 @@ def build_strategy(choice, *, variable_partitioner=None, connect_timeout=120.0):
     return _STRATEGIES[key]
 
 
+_CLUSTERS = {}  # id(strategy) -> the ClusterConfig it was built for (kept alive in _STRATEGIES)
+
+
+def cluster_of(strategy):
+    """The `ClusterConfig` keras_dist built `strategy` for, or `None` (a
+    strategy built elsewhere, or one without a cluster). TensorFlow's
+    strategies do not expose their cluster publicly; this is how code that
+    only has the strategy (an optimizer built in its scope) learns it
+    without reading the environment again."""
+    return _CLUSTERS.get(id(strategy))
+
+
 def _parameter_server(cluster, variable_partitioner, connect_timeout):
     if cluster.task_type != "chief":
         raise ValueError(
@@ -340,7 +360,6 @@ def _parameter_server(cluster, variable_partitioner, connect_timeout):
             "parameter-server training only the 'chief' coordinates and 'worker' "
             "/ 'ps' tasks serve. Evaluator tasks are not supported yet: leave "
             "the evaluator out of the cluster.")
-    configure_grpc()
     wait_for_tasks(cluster, connect_timeout)
     with quiet_tf_logger("WARNING"):  # connecting logs its session config at INFO
         strategy = tf.distribute.ParameterServerStrategy(
@@ -358,7 +377,6 @@ def _multi_worker(cluster, connect_timeout=120.0):
         )
     resolver = cluster.cluster_resolver() if cluster is not None else None
     if cluster is not None:
-        configure_grpc()  # a cut-off peer becomes an error, not an endless wait
         meet_peers(cluster, connect_timeout)  # TF's own wait has no limit
     # TF's coordination service catches SIGTERM for its preemption notifier,
     # and a task then ignores it (for good: a worker stopped with SIGTERM

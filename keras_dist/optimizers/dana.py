@@ -164,21 +164,18 @@ def _check_workers(workers):
 
 
 def _workers_of(strategy):
-    """The cluster's workers under a `ParameterServerStrategy`; 1 otherwise.
-
-    TensorFlow's strategy does not expose its cluster publicly, so the count
-    comes from the cluster description the process was started with
-    (`TF_CONFIG`, SLURM): the one the strategy was built from.
-    """
+    """The cluster's workers under a `ParameterServerStrategy` (the cluster
+    keras_dist built the strategy for); 1 otherwise."""
     if not isinstance(strategy, tf.distribute.ParameterServerStrategy):
         return 1
-    from keras_dist.cluster.config import ClusterConfig
+    from keras_dist.cluster.strategy import cluster_of
+    from keras_dist.training.plan import workers_of
 
-    cluster = ClusterConfig.from_env()
-    count = len(cluster.cluster.get("worker", ())) if cluster is not None else 0
+    count = workers_of(cluster_of(strategy))
     if not count:
         raise ValueError(
             "DANA(workers=None) takes the number of workers from the cluster description "
-            "(TF_CONFIG or SLURM), and this process has none. Pass workers=N, the "
-            "number of worker tasks.")
+            "(TF_CONFIG or SLURM) the parameter-server strategy was built from, and this "
+            "strategy was not built by keras_dist from one. Pass workers=N, the number "
+            "of worker tasks.")
     return count

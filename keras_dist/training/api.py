@@ -16,20 +16,17 @@ import logging
 import keras
 import tensorflow as tf
 
-from keras_dist.cluster import plain_fit as _plain_fit
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
+from keras_dist.cluster import plain_fit
+from keras_dist.cluster.serving import serve
 from keras_dist.training import data as data_lib
 from keras_dist.training import driver
-from keras_dist.training import nonfinite as guard
-from keras_dist.training import local_steps as local_steps_lib
-from keras_dist.cluster import strategy as strategy_lib
+from keras_dist.training import nonfinite
 from keras_dist.training import staleness
-from keras_dist import faults
-from keras_dist.training import update
 from keras_dist.training.async_executor import AsyncExecutor
-from keras_dist.training.async_model import AsyncModel, serve_if_serving_task
-from keras_dist.cluster.config import ClusterConfig
+from keras_dist.training.async_model import AsyncModel
 from keras_dist.training.data import is_dataset_fn
+from keras_dist.training.plan import Route, RunPlan, needs_own_loop
 from keras_dist.training.sync_executor import SyncExecutor
 
 logger = logging.getLogger("keras_dist")
@@ -140,51 +137,46 @@ def fit(model, x=None, y=None, *, strategy="auto", cluster=None, nonfinite_updat
             `epochs=-3` silently); each message names the value and the fix.
     """
     data_lib.check_fit_counts(**fit_kwargs)  # batch_size=0, epochs=-3, ...: before anything
-    if nonfinite_updates is not None:
-        update.NonFinitePolicy(nonfinite_updates)  # validates it before anything starts
-    if isinstance(cluster, dict):
-        cluster = ClusterConfig.from_dict(cluster)
-    if cluster is None:
-        cluster = ClusterConfig.from_env()
-    serve_if_serving_task(cluster)
-    dist = strategy_lib.resolve_strategy(strategy, cluster, variable_partitioner=variable_partitioner)
-    model = _model_in_scope(model, dist)
-    mode = nonfinite_updates or getattr(model, "nonfinite_updates", None) or "skip"
-    setup = dict(nonfinite_updates=mode, faults=faults.faults_from_env(), cluster=cluster)
-    local_steps_lib.check(model, dist, local_steps, outer_optimizer, elastic)
-    if isinstance(dist, tf.distribute.ParameterServerStrategy):
-        if _convertible(model):
-            with dist.scope():
-                model = AsyncModel.from_model(model)
-        return driver.fit(AsyncExecutor(model, dist, local_steps=local_steps,
-                                        outer_optimizer=outer_optimizer, elastic=elastic,
-                                        **setup),
-                          x, y, **fit_kwargs)
-    keras_fit = model.fit
-    if isinstance(model, AsyncModel):  # its own fit comes back here off parameter servers
-        keras_fit = functools.partial(keras.Model.fit, model)
-    with _plain_fit.local_fit():  # a strategy chosen on purpose, even on a ps cluster
-        return fit_synchronously(model, dist, keras_fit, x, y, setup, **fit_kwargs)
+    plan = RunPlan.build(strategy, cluster, nonfinite_updates=nonfinite_updates,
+                         local_steps=local_steps, outer_optimizer=outer_optimizer,
+                         elastic=elastic, variable_partitioner=variable_partitioner)
+    if plan.serving_task:
+        serve(plan.cluster)  # a worker / ps task of a parameter-server cluster: never returns
+    model = _model_in_scope(model, plan.strategy)
+    if plan.parameter_server and _convertible(model):
+        with plan.strategy.scope():
+            model = AsyncModel.from_model(model)
+    return train(model, plan.for_model(model), x, y, **fit_kwargs)
 
 
-def fit_synchronously(model, dist, keras_fit, x, y, setup, **fit_kwargs):
-    """Trains `model` (in `dist`'s scope) under a synchronous strategy:
-    keras_dist's own loop where Keras' fails or a backup may resume mid-epoch,
-    else `keras_fit` (Keras' own `fit` of the model) with the non-finite
-    policy inside it (`guard.keras_loop`). `setup`: the executors' keyword
-    arguments (`nonfinite_updates`, `faults`, `cluster`)."""
-    if _needs_own_loop(dist) or _resumes_mid_epoch(fit_kwargs.get("callbacks")):
-        history = driver.fit(SyncExecutor(model, dist, **setup), x, y, **fit_kwargs)
-        model = history.model
-        # Keras' own evaluate / predict fail where its fit does: the model's
-        # are keras_dist's from now on (`kd.evaluate`, `kd.predict`).
-        model.__dict__["evaluate"] = functools.partial(evaluate, model, strategy=dist)
-        model.__dict__["predict"] = functools.partial(predict, model, strategy=dist)
-    else:
-        if is_dataset_fn(x):
-            x = dist.distribute_datasets_from_function(x)
-        history = guard.keras_loop(model, setup["nonfinite_updates"], keras_fit, x, y,
-                                   **fit_kwargs)
+def train(model, plan, x=None, y=None, keras_fit=None, **fit_kwargs):
+    """Trains `model` (in `plan.strategy`'s scope) by the plan's route:
+    the asynchronous executor on parameter servers; keras_dist's own loop
+    where Keras' fails or a backup may resume mid-epoch; else `keras_fit`
+    (Keras' own `fit` of the model, by default `keras.Model.fit`) with the
+    non-finite policy inside it (`nonfinite.keras_loop`). `kd.fit` and
+    `AsyncModel.fit` both end here."""
+    route = plan.route(model, fit_kwargs.get("callbacks"))
+    if route is Route.ASYNC:
+        return driver.fit(AsyncExecutor(model, plan), x, y, **fit_kwargs)
+    with plain_fit.local_fit():  # a strategy chosen on purpose, even on a ps cluster
+        if route is Route.SYNC:
+            history = driver.fit(SyncExecutor(model, plan), x, y, **fit_kwargs)
+            model = history.model
+            # Keras' own evaluate / predict fail where its fit does: the model's
+            # are keras_dist's from now on (`kd.evaluate`, `kd.predict`).
+            model.__dict__["evaluate"] = functools.partial(evaluate, model,
+                                                           strategy=plan.strategy)
+            model.__dict__["predict"] = functools.partial(predict, model,
+                                                          strategy=plan.strategy)
+        else:
+            if is_dataset_fn(x):
+                x = plan.strategy.distribute_datasets_from_function(x)
+            if keras_fit is None:  # AsyncModel.fit comes back here off parameter servers
+                keras_fit = (functools.partial(keras.Model.fit, model)
+                             if isinstance(model, AsyncModel) else model.fit)
+            history = nonfinite.keras_loop(model, plan.nonfinite_updates, keras_fit, x, y,
+                                           **fit_kwargs)
     staleness.record_synchronous(history.model)
     return history
 
@@ -221,7 +213,7 @@ def evaluate(model, x=None, y=None, *, strategy=None, **evaluate_kwargs):
     dist = strategy or model.distribute_strategy
     if isinstance(dist, tf.distribute.ParameterServerStrategy):
         return AsyncModel.evaluate(model, x, y, **evaluate_kwargs)
-    if _needs_own_loop(dist):
+    if needs_own_loop(dist):
         return driver.evaluate(SyncExecutor(model, dist), x, y, **evaluate_kwargs)
     if is_dataset_fn(x):
         x = dist.distribute_datasets_from_function(x)
@@ -265,36 +257,11 @@ def predict(model, x, *, strategy=None, batch_size=None, verbose="auto", steps=N
     (5, 2)
     """
     dist = strategy or model.distribute_strategy
-    if not (isinstance(dist, tf.distribute.ParameterServerStrategy) or _needs_own_loop(dist)):
+    if not (isinstance(dist, tf.distribute.ParameterServerStrategy) or needs_own_loop(dist)):
         return model.predict(x, batch_size=batch_size, verbose=verbose, steps=steps,
                              callbacks=callbacks)
     return driver.predict_here(model, x, batch_size=batch_size, verbose=verbose, steps=steps,
                                callbacks=callbacks)
-
-
-def _needs_own_loop(dist):
-    """Whether Keras 3's own loop would fail under `dist`.
-
-    It fails under MultiWorkerMirrored with more than one worker
-    (keras-team/keras#20585) and, under MirroredStrategy with two or more
-    replicas, as soon as a batch does not split evenly over the replicas or
-    `steps_per_execution > 1` (seen with Keras 3.15; see tests/test_loop.py).
-    One device and no strategy are left to Keras.
-    """
-    if dist.num_replicas_in_sync > 1:
-        return True
-    if not isinstance(dist, tf.distribute.MultiWorkerMirroredStrategy):
-        return False
-    resolver = dist.cluster_resolver
-    spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
-    return len(spec.get("chief", ())) + len(spec.get("worker", ())) > 1
-
-
-def _resumes_mid_epoch(callbacks):
-    """Whether a `keras_dist.callbacks.BackupAndRestore` is among `callbacks`:
-    its backups resume at a step within an epoch (and at the batches an
-    uninterrupted run reads there), which Keras' own loop cannot do."""
-    return driver._backs_up(callbacks)
 
 
 def _convertible(model):

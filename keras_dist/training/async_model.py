@@ -4,9 +4,7 @@ import keras
 import tensorflow as tf
 
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
-from keras_dist import faults
 from keras_dist.training import sharded
-from keras_dist.cluster.config import ClusterConfig
 from keras_dist.cluster.serving import serve
 
 
@@ -55,14 +53,6 @@ def _functional_variant(cls):
             keras.saving.register_keras_serializable(package=package, name=name)(variant)
         _VARIANTS[cls] = variant
     return _VARIANTS[cls]
-
-
-def serve_if_serving_task(cluster=None):
-    """On a worker / ps task of a parameter-server cluster: serve forever."""
-    cluster = cluster or ClusterConfig.from_env()
-    if (cluster is not None and cluster.strategy_kind == "parameter_server"
-            and cluster.task_type in ("worker", "ps")):
-        serve(cluster)
 
 
 @keras.saving.register_keras_serializable(package="keras_dist")
@@ -187,32 +177,22 @@ class AsyncModel(keras.Model):
                 the way towards each other (docs/local-steps.md).
             **kwargs: `keras.Model.fit`'s arguments.
         """
+        from keras_dist.training import api
         from keras_dist.training import data as data_lib
-        from keras_dist.training import local_steps as local_steps_lib
+        from keras_dist.training.plan import RunPlan
 
         data_lib.check_fit_counts(**kwargs)
-        strategy = self.distribute_strategy
-        if not isinstance(strategy, tf.distribute.ParameterServerStrategy):
-            serve_if_serving_task()  # a worker / ps task of the cluster serves here
-        local_steps_lib.check(self, strategy, local_steps, outer_optimizer, elastic)
-        if isinstance(strategy, tf.distribute.ParameterServerStrategy):
-            from keras_dist.training import driver
-            from keras_dist.training.async_executor import AsyncExecutor
-
-            executor = AsyncExecutor(self, strategy, local_steps=local_steps,
-                                     outer_optimizer=outer_optimizer, elastic=elastic,
-                                     nonfinite_updates=self.nonfinite_updates,
-                                     faults=faults.faults_from_env(),
-                                     cluster=ClusterConfig.from_env())
-            return driver.fit(executor, x, y, **kwargs)
-        # Any other strategy: what `keras_dist.fit` does there (Keras' own
-        # loop with the non-finite policy in it, or keras_dist's where
-        # Keras' fails), on Keras' own `fit` of this model.
-        from keras_dist.training import api as training
-
-        setup = dict(nonfinite_updates=self.nonfinite_updates,
-                     faults=faults.faults_from_env(), cluster=ClusterConfig.from_env())
-        return training.fit_synchronously(self, strategy, super().fit, x, y, setup, **kwargs)
+        plan = RunPlan.build(self.distribute_strategy,
+                             nonfinite_updates=self.nonfinite_updates,
+                             local_steps=local_steps, outer_optimizer=outer_optimizer,
+                             elastic=elastic)
+        if plan.serving_task and not plan.parameter_server:
+            serve(plan.cluster)  # a worker / ps task of the cluster serves here
+        # Under parameter servers the asynchronous executor; under any other
+        # strategy what `keras_dist.fit` does there (Keras' own loop with the
+        # non-finite policy in it, or keras_dist's where Keras' fails), on
+        # Keras' own `fit` of this model.
+        return api.train(self, plan.for_model(self), x, y, keras_fit=super().fit, **kwargs)
 
     @property
     def version(self):

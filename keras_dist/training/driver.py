@@ -24,6 +24,7 @@ contract, `epoch_iterator.py` for the data, the backend trainer for one
 step).
 """
 
+import abc
 import dataclasses
 import warnings
 from typing import Any, List, Optional
@@ -35,6 +36,7 @@ import tensorflow as tf
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 from keras_dist.training import data as data_lib
 from keras_dist.training import nonfinite as guard
+from keras_dist.training import plan as plan_lib
 from keras_dist.training import update
 from keras_dist.callbacks import base as replica_cbs
 
@@ -55,33 +57,52 @@ class BatchEnd:
     replica_steps: Optional[List[Any]] = None
 
 
-class Executor:
-    """The base of keras_dist's executors (see the module docs).
+class Executor(abc.ABC):
+    """The protocol the epoch driver runs (see the module docs).
+
+    The driver calls, in order: `train_input` and `begin_training` once;
+    per epoch `begin_epoch`, `train_epoch` (a generator of `BatchBegin` /
+    `BatchEnd` events; the driver turns them into Keras' batch hooks), then
+    `epoch_logs`, and `evaluate` for validation; `end_training` and
+    `release` at the end (however training ended). `drain`, `seek`,
+    `position`, `metric_state` and `restore_metrics` serve preemption and
+    `BackupAndRestore`. Executors call no callback hooks themselves: they
+    hand what replica callbacks need (`BatchEnd.replica_steps`) to the
+    driver, which feeds them.
 
     Args:
-        model: A compiled `keras.Model` created in `strategy`'s scope.
-        strategy: The `tf.distribute.Strategy` to run steps under.
-        nonfinite_updates: String. `"skip"` (count) or `"raise"`; see
-            `keras_dist.training.update.NonFinitePolicy`. Defaults to `"skip"`.
-        faults: `keras_dist.faults.FaultInjection` or `None`.
-        cluster: `keras_dist.ClusterConfig` or `None` (a single process).
-            Who reports (the chief) and how many workers there are come
-            from it, as `keras_dist.fit` passed it down.
+        model: A compiled `keras.Model` created in the plan's strategy's scope.
+        plan: The run's `keras_dist.training.plan.RunPlan` (its strategy,
+            cluster, non-finite policy, faults, local steps, options), or a
+            `tf.distribute.Strategy` for a plan with nothing else in it.
     """
 
     parameter_server = False
 
-    def __init__(self, model, strategy, nonfinite_updates="skip", faults=None, cluster=None):
-        self.model, self.strategy = model, strategy
-        self.nonfinite_updates = update.NonFinitePolicy(nonfinite_updates).mode
-        self.faults = faults
-        self.cluster = cluster
+    def __init__(self, model, plan):
+        if isinstance(plan, tf.distribute.Strategy):
+            plan = plan_lib.RunPlan(strategy=plan)
+        self.model, self.plan, self.strategy = model, plan, plan.strategy
+        self.nonfinite_updates = update.NonFinitePolicy(plan.nonfinite_updates or "skip").mode
+        self.faults = plan.faults
+        self.cluster = plan.cluster
         # The task that leads (the chief, or worker 0 without one); without a
         # cluster description, the strategy knows (only the leader checkpoints).
-        self.is_chief = (cluster.is_chief if cluster is not None
-                         else strategy.extended.should_checkpoint)
+        self.is_chief = plan.is_chief
         self.ran_out = False
         self.policy = None  # an update.NonFinitePolicy, from begin_training on
+
+    @abc.abstractmethod
+    def begin_training(self, train_input, callbacks):
+        """Builds what training needs (compiled steps, counters) once per `fit`."""
+
+    @abc.abstractmethod
+    def train_epoch(self, train_input):
+        """Runs one epoch; yields `BatchBegin` and `BatchEnd` events."""
+
+    @abc.abstractmethod
+    def evaluate(self, eval_input, callbacks):
+        """Runs evaluation over `eval_input`; returns Keras' logs."""
 
     make_train_input = staticmethod(data_lib.distribute)
     """`f(strategy, x, y, sample_weight, **kwargs)` building the training input."""
@@ -187,7 +208,7 @@ def fit(executor, x=None, y=None, *, batch_size=None, epochs=1,
     train = executor.train_input(
         x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
         class_weight=class_weight, steps=steps_per_epoch,
-        resumable=_backs_up(callbacks))
+        resumable=plan_lib.backs_up(callbacks))
     val = None
     if validation_data is not None:
         vx, vy, vsw = data_lib.unpack_validation(validation_data)
@@ -199,7 +220,7 @@ def fit(executor, x=None, y=None, *, batch_size=None, epochs=1,
             callbacks, add_history=True, add_progbar=verbose != 0,
             verbose=verbose, epochs=epochs, steps=train.steps, model=model)
     watchers = replica_cbs.replica_callbacks(callbacks)
-    replica_cbs.bind_cluster(callbacks, is_chief=executor.is_chief)
+    replica_cbs.bind_plan(callbacks, executor.plan)
     executor.begin_training(train, callbacks)
 
     model.stop_training = False
@@ -400,14 +421,6 @@ def build_for_training(model, strategy, sample_batch, build_optimizer=True):
         if build_optimizer and model.optimizer is not None and not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
         model.reset_metrics()
-
-
-def _backs_up(callbacks):
-    """Whether a `keras_dist.callbacks.BackupAndRestore` is among `callbacks`."""
-    from keras_dist.callbacks.backup import BackupAndRestore
-
-    found = getattr(callbacks, "callbacks", callbacks) or ()
-    return any(isinstance(cb, BackupAndRestore) for cb in found)
 
 
 def metric_state(model):

@@ -17,7 +17,8 @@ flight (when it lands, its update and logs count like any other, in the
 epoch it lands in: it is *late*), and the executor no longer counts on it
 to finish the epoch, so it schedules a *speculative* replacement, as
 MapReduce runs backup copies of its last tasks. At the end of `fit`,
-executions still stuck are waited for up to `END_WAIT` seconds, then
+executions still stuck are waited for up to `AsyncOptions.end_wait` seconds
+(`keras_dist.training.plan`; 30 by default), then
 reported as *lost*.
 
 `StepCounts` keeps the books, in steps: every step scheduled ends up
@@ -38,7 +39,6 @@ STUCK_FACTOR = 8.0
 """An execution is stuck once it has been in flight this many times the
 median time recent executions took from being scheduled to finishing."""
 
-END_WAIT = 30.0
 """Seconds the end of `fit` waits for stuck executions before reporting them lost."""
 
 _RECENT = 64  # executions the median time to finish is taken over

@@ -49,40 +49,32 @@ from keras_dist.training import update
 from keras_dist.optimizers.base import StalenessAwareOptimizer
 
 
-def check(model, strategy, local_steps, outer_optimizer, elastic=None):
-    """Validates the local-steps options; returns `local_steps` as an int.
+def check_args(local_steps, outer_optimizer, elastic=None):
+    """Validates the local-steps arguments on their own; returns a
+    `keras_dist.training.plan.LocalSteps` (what `RunPlan.build` calls).
 
     Example:
 
-    >>> import keras, tensorflow as tf
     >>> from keras_dist.training import local_steps
-    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-    >>> model.compile("sgd", "mse")
-    >>> local_steps.check(model, tf.distribute.get_strategy(), 1, None)
-    1
-    >>> local_steps.check(model, tf.distribute.get_strategy(), 4, None)
-    Traceback (most recent call last):
-    ...
-    ValueError: local_steps=4, outer_optimizer and elastic need parameter servers ...
-
-    >>> local_steps.check(model, tf.distribute.get_strategy(), 4, None, elastic=1.5)
+    >>> local_steps.check_args(4, None)
+    LocalSteps(steps=4, outer_optimizer=None, elastic=None)
+    >>> local_steps.check_args(4, None, elastic=1.5)
     Traceback (most recent call last):
     ...
     ValueError: `elastic` must be a float in (0, 1] ... Received: elastic=1.5.
 
     Raises:
         ValueError: for `local_steps` < 1 or not an integer, an `elastic`
-            outside (0, 1] or together with an outer optimizer, local steps
-            under a synchronous strategy, together with
-            `steps_per_execution` > 1, with a custom `train_step`, or with
-            an optimizer that cannot step on tensors.
+            outside (0, 1] or together with an outer optimizer, or an outer
+            optimizer that is not a Keras optimizer.
     """
+    from keras_dist.training.plan import LocalSteps
+
     if isinstance(local_steps, bool) or not isinstance(local_steps, (int, np.integer)) \
             or local_steps < 1:
         raise ValueError(
             f"`local_steps` must be an integer >= 1 (1: every step updates the "
             f"parameter servers). Received: local_steps={local_steps!r}.")
-    local_steps = int(local_steps)
     check_elastic(elastic, outer_optimizer)
     if outer_optimizer is not None and not isinstance(outer_optimizer,
                                                       keras.optimizers.Optimizer):
@@ -90,8 +82,32 @@ def check(model, strategy, local_steps, outer_optimizer, elastic=None):
             "`outer_optimizer` must be a keras.optimizers.Optimizer instance (e.g. "
             "keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)). Received: "
             f"outer_optimizer={outer_optimizer!r}.")
-    if local_steps == 1 and outer_optimizer is None and elastic is None:
-        return 1
+    return LocalSteps(int(local_steps), outer_optimizer,
+                      None if elastic is None else float(elastic))
+
+
+def check_model(model, strategy, local):
+    """Validates local steps (`local`, a `LocalSteps` that is `active`)
+    against the strategy and the model (what `RunPlan.for_model` calls).
+
+    Example:
+
+    >>> import keras, tensorflow as tf
+    >>> from keras_dist.training import local_steps
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    >>> model.compile("sgd", "mse")
+    >>> local_steps.check_model(model, tf.distribute.get_strategy(),
+    ...                         local_steps.check_args(4, None))
+    Traceback (most recent call last):
+    ...
+    ValueError: local_steps=4, outer_optimizer and elastic need parameter servers ...
+
+    Raises:
+        ValueError: for local steps under a synchronous strategy, together
+            with `steps_per_execution` > 1, with a custom `train_step`, or
+            with an optimizer that cannot step on tensors.
+    """
+    local_steps = local.steps
     if not isinstance(strategy, tf.distribute.ParameterServerStrategy):
         raise ValueError(
             f"local_steps={local_steps}, outer_optimizer and elastic need parameter servers "
@@ -123,7 +139,6 @@ def check(model, strategy, local_steps, outer_optimizer, elastic=None):
         raise ValueError(
             f"Local steps need a plain Keras optimizer on the model (it steps on the "
             f"worker's copy); got {type(optimizer).__name__}.{hint}")
-    return local_steps
 
 
 def check_elastic(elastic, outer_optimizer):

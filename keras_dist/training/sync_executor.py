@@ -44,10 +44,8 @@ class SyncExecutor(driver.Executor):
 
     Args:
         model: A `keras.Model` built and compiled in `strategy`'s scope.
-        strategy: A `tf.distribute.Strategy` (Mirrored, MultiWorkerMirrored,
-            or the default strategy).
-        **kwargs: `nonfinite_updates`, `faults`, `cluster`: see
-            `keras_dist.training.driver.Executor`.
+        plan: The run's `keras_dist.training.plan.RunPlan`, or the strategy
+            alone; see `keras_dist.training.driver.Executor`.
 
     Example:
 
@@ -71,15 +69,17 @@ class SyncExecutor(driver.Executor):
         self._positioned = False  # the iterator is already at the next epoch's start
 
     @classmethod
-    def for_evaluation(cls, model, strategy, cluster=None):
-        """The model's evaluation executor under `strategy`, kept on the model
-        (like Keras' `test_function`) so later `evaluate` calls, validation
-        in later `fit` calls and later epochs reuse its compiled steps
-        instead of tracing them again; a new one after `compile()`."""
+    def for_evaluation(cls, model, plan):
+        """The model's evaluation executor under `plan` (a `RunPlan` or a
+        strategy), kept on the model (like Keras' `test_function`) so later
+        `evaluate` calls, validation in later `fit` calls and later epochs
+        reuse its compiled steps instead of tracing them again; a new one
+        after `compile()`."""
+        strategy = getattr(plan, "strategy", plan)
         key = (id(strategy), id(model.optimizer), tuple(id(m) for m in model.metrics))
         cached = model.__dict__.get("_kd_evaluator")
         if cached is None or cached[0] != key:
-            cached = (key, cls(model, strategy, cluster=cluster))
+            cached = (key, cls(model, plan))
             model.__dict__["_kd_evaluator"] = cached  # outside Keras' attribute tracking
         return cached[1]
 

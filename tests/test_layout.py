@@ -1,0 +1,113 @@
+"""The package's layout keeps the promises docs/architecture.md makes.
+
+Each check reads the source (its syntax tree, not its text, so docstrings do
+not count) of every module under keras_dist/.
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "keras_dist"
+MODULES = sorted(p for p in PACKAGE.rglob("*.py"))
+
+# Where the environment may be read: the entry points above the run plan
+# (import-time checks, the launcher, the cluster description, the strategy
+# choice, fault injection, the flags of a user's script, the test toolkit)
+# and the plan itself. Everything below `RunPlan.build` gets what it needs
+# from the plan.
+READS_ENVIRONMENT = {
+    "__init__.py",
+    "_boot/sitecustomize.py",
+    "cluster/config.py",
+    "cluster/keepalive.py",
+    "cluster/launch.py",
+    "cluster/plain_fit.py",
+    "cluster/strategy.py",
+    "faults.py",
+    "flags.py",
+    "testing.py",
+    "training/plan.py",
+}
+# Where the environment may be written: the keepalive default, once, at
+# `import keras_dist`; the launcher builds its children's environments as
+# dicts of their own.
+WRITES_ENVIRONMENT = {"cluster/keepalive.py"}
+
+
+def _name(path):
+    return path.relative_to(PACKAGE).as_posix()
+
+
+def _environment_uses(tree):
+    """`(line, kind)` for each read or write of the process environment."""
+    uses = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "putenv",
+                                                              "unsetenv"):
+            if isinstance(node.value, ast.Name) and node.value.id == "os":
+                uses.append((node.lineno, "read"))
+        if isinstance(node, ast.ImportFrom) and node.module == "os" and any(
+                a.name in ("environ", "getenv", "putenv") for a in node.names):
+            uses.append((node.lineno, "read"))
+        if isinstance(node, (ast.Assign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                if isinstance(target, ast.Subscript) and "environ" in ast.unparse(target.value):
+                    uses.append((node.lineno, "write"))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                node.func.attr in ("setdefault", "update", "pop", "clear", "putenv") and \
+                "environ" in ast.unparse(node.func.value):
+            uses.append((node.lineno, "write"))
+    return uses
+
+
+def _imports(tree):
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return names
+
+
+@pytest.mark.parametrize("path", MODULES, ids=_name)
+def test_environment_is_read_only_above_the_plan(path):
+    tree = ast.parse(path.read_text())
+    uses = _environment_uses(tree)
+    name = _name(path)
+    reads = [line for line, kind in uses if kind == "read"]
+    writes = [line for line, kind in uses if kind == "write"]
+    if name not in READS_ENVIRONMENT:
+        assert not reads, f"{name} reads the environment (lines {reads}); take it from the RunPlan"
+    if name not in WRITES_ENVIRONMENT:
+        assert not writes, f"{name} writes the environment (lines {writes})"
+
+
+def test_the_checks_find_what_they_look_for():
+    tree = ast.parse("import os\nx = os.environ.get('A')\nos.environ['B'] = '1'\n"
+                     "from keras_dist import testing\n")
+    assert sorted(kind for _, kind in _environment_uses(tree)) == ["read", "read", "write"]
+    assert "keras_dist.testing" in _imports(tree)
+
+
+@pytest.mark.parametrize("path", MODULES, ids=_name)
+def test_production_code_never_imports_the_test_toolkit(path):
+    if _name(path) in ("testing.py", "__init__.py"):
+        return  # the toolkit itself; the package's lazy `kd.testing` attribute
+    imports = _imports(ast.parse(path.read_text()))
+    assert "keras_dist.testing" not in imports, (
+        f"{_name(path)} imports keras_dist.testing; production fault injection is "
+        "keras_dist.faults")
+
+
+def test_every_training_module_is_in_a_subpackage_by_job():
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    # Public entry points and import-time plumbing only; the machinery is in
+    # cluster/ and training/ (and optimizers/, callbacks/).
+    assert top == ["__init__.py", "_registration.py", "_runtime.py",
+                   "datasets.py", "faults.py", "flags.py", "recipes.py", "sharded.py",
+                   "simulate.py", "testing.py", "versions.py"], top
