@@ -204,3 +204,48 @@ def test_steps_per_execution_traces_the_step_once_per_replica(mirrored):
     reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     for ours, theirs in zip(history.model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(ours, theirs, atol=1e-6)
+
+
+class _EpochKeys(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.keys = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.keys.append(list(logs))
+
+
+def test_fit_logs_several_metrics_in_keras_order(mirrored):
+    """Keras flattens a multi-output model's logs in compile order
+    (`_flatten_metrics_in_order`): the History's keys, the epoch logs'
+    keys and their values are Keras' under kd.fit in Mirrored."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(64, 3)).astype("float32")
+    y = {"b": rng.normal(size=(64, 1)).astype("float32"),
+         "a": (np.arange(64) % 2).astype("float32")[:, None]}
+
+    def build():
+        keras.utils.set_random_seed(5)
+        inputs = keras.Input((3,))
+        hidden = keras.layers.Dense(4, activation="relu")(inputs)
+        outputs = {"b": keras.layers.Dense(1, name="b")(hidden),
+                   "a": keras.layers.Dense(1, activation="sigmoid", name="a")(hidden)}
+        model = keras.Model(inputs, outputs)
+        model.compile("sgd", loss={"b": "mse", "a": "binary_crossentropy"},
+                      metrics={"b": ["mae", "mse"], "a": ["accuracy", keras.metrics.AUC(name="auc")]},
+                      weighted_metrics={"b": ["mae"]})
+        return model
+
+    theirs, keys_theirs = build(), _EpochKeys()
+    expected = theirs.fit(x, y, epochs=2, batch_size=16, shuffle=False, verbose=0,
+                          callbacks=[keys_theirs]).history
+    with mirrored.scope():
+        ours = build()
+    keys_ours = _EpochKeys()
+    got = kd.fit(ours, x, y, strategy=mirrored, epochs=2, batch_size=16, shuffle=False,
+                 verbose=0, callbacks=[keys_ours]).history
+    assert list(got) == list(expected)
+    assert keys_ours.keys == keys_theirs.keys
+    for name in expected:
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-4, atol=1e-5,
+                                   err_msg=name)

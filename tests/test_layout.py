@@ -111,3 +111,17 @@ def test_every_training_module_is_in_a_subpackage_by_job():
     assert top == ["__init__.py", "_registration.py", "_runtime.py",
                    "datasets.py", "faults.py", "flags.py", "recipes.py", "sharded.py",
                    "simulate.py", "testing.py", "versions.py"], top
+
+
+EXECUTORS = ["training/sync_executor.py", "training/async_executor.py",
+             "training/worker_step.py"]
+
+
+@pytest.mark.parametrize("name", EXECUTORS)
+def test_executors_call_no_callback_hook(name):
+    """The driver calls Keras' hooks; executors only yield events."""
+    tree = ast.parse((PACKAGE / name).read_text())
+    hooks = [node.lineno for node in ast.walk(tree)
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+             and node.func.attr.startswith("on_")]
+    assert not hooks, f"{name} calls callback hooks at lines {hooks}"

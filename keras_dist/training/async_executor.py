@@ -64,6 +64,7 @@ from keras_dist.training import inflight
 from keras_dist.training import local_steps as local_steps_lib
 from keras_dist.training import sharded
 from keras_dist.training import step_report
+from keras_dist.training import steps as steps_lib
 from keras_dist.training import update
 from keras_dist.callbacks import base as replica_cbs
 from keras_dist.optimizers.base import staleness_aware_in
@@ -106,7 +107,7 @@ class AsyncExecutor(driver.Executor):
         self._local = plan.local.active
         self.coordinator = tf.distribute.coordinator.ClusterCoordinator(self.strategy)
         # Validation and evaluation run on the chief, under the default strategy.
-        self._evaluator = SyncExecutor.for_evaluation(
+        self._evaluator = SyncExecutor(
             model, dataclasses.replace(plan, strategy=tf.distribute.get_strategy()))
         self.stats = StalenessStats()
         self._survived = 0
@@ -119,8 +120,8 @@ class AsyncExecutor(driver.Executor):
     def eval_strategy(self):
         return self._evaluator.strategy
 
-    def evaluate(self, eval_input, callbacks):
-        return self._evaluator.evaluate(eval_input, callbacks)
+    def test_epoch(self, eval_input):
+        return self._evaluator.test_epoch(eval_input)
 
     # -------------------------------------------------------------- training
     def begin_training(self, train_input, callbacks):
@@ -140,7 +141,7 @@ class AsyncExecutor(driver.Executor):
         self.policy.begin_training()
         self._aware = staleness_aware_in(self.model.optimizer)
         self._iterator = iter(self.coordinator.create_per_worker_dataset(train_input.dataset))
-        self._per_call = max(1, int(getattr(self.model, "steps_per_execution", 1) or 1))
+        self._per_call = steps_lib.steps_per_execution(self.model)
         if self._local:
             self.outer_optimizer = local_steps_lib.build_outer(
                 self.outer_optimizer, self.model, self.strategy)
@@ -225,7 +226,8 @@ class AsyncExecutor(driver.Executor):
         (`keras_dist.training.inflight`). Executions still running then (stuck on a
         stopped worker, or started before a late one landed) stay in flight
         and count in the epoch they land in."""
-        steps, per_call = train_input.steps, self._per_call
+        steps = train_input.steps
+        planner = steps_lib.StepPlanner(self._per_call, steps)
         self._steps = steps
         ring, flight = self._ring, self._flight
         start, self._start = self._start, 0
@@ -235,7 +237,7 @@ class AsyncExecutor(driver.Executor):
         while True:
             if not self.model.stop_training:
                 while self._may_schedule(steps):
-                    k = min(per_call, steps - epoch["finished"] - flight.live_steps)
+                    k = planner.size(epoch["finished"] + flight.live_steps)
                     yield driver.BatchBegin(epoch["begun"])
                     epoch["begun"] += k
                     fn = self.state.step_function(k, self.faults, local=self._local,

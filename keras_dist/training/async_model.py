@@ -221,7 +221,7 @@ class AsyncModel(keras.Model):
         # On the chief, under the default strategy, reading the weights on
         # the parameter servers (embedding rows only: sharded.prepare).
         sharded.prepare(self)
-        return driver.evaluate(SyncExecutor.for_evaluation(self, tf.distribute.get_strategy()),
+        return driver.evaluate(SyncExecutor(self, tf.distribute.get_strategy()),
                                x, y,
                                batch_size=batch_size, verbose=verbose,
                                sample_weight=sample_weight, steps=steps,

@@ -34,6 +34,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
+from keras_dist.training import compiled
 from keras_dist.training import data as data_lib
 from keras_dist.training import nonfinite as guard
 from keras_dist.training import plan as plan_lib
@@ -101,8 +102,10 @@ class Executor(abc.ABC):
         """Runs one epoch; yields `BatchBegin` and `BatchEnd` events."""
 
     @abc.abstractmethod
-    def evaluate(self, eval_input, callbacks):
-        """Runs evaluation over `eval_input`; returns Keras' logs."""
+    def test_epoch(self, eval_input):
+        """Runs evaluation over `eval_input` (metrics reset first); yields
+        `BatchBegin` and `BatchEnd` events like `train_epoch`."""
+
 
     make_train_input = staticmethod(data_lib.distribute)
     """`f(strategy, x, y, sample_weight, **kwargs)` building the training input."""
@@ -161,6 +164,23 @@ class Executor(abc.ABC):
 
     def release(self):
         """Frees what training held (threads, probes), however it ended."""
+
+
+def run_evaluation(executor, eval_input, callbacks):
+    """One evaluation pass: Keras' test hooks around the executor's
+    `test_epoch` events (executors call no callback themselves). Returns
+    Keras' logs: the metrics' results, else the last batch's."""
+    callbacks.on_test_begin()
+    logs = {}
+    for event in executor.test_epoch(eval_input):
+        if isinstance(event, BatchBegin):
+            callbacks.on_test_batch_begin(event.batch)
+            continue
+        logs = event.logs
+        callbacks.on_test_batch_end(event.batch, logs)
+    logs = metrics_or_logs(executor.model, logs)
+    callbacks.on_test_end(logs)
+    return logs
 
 
 def resolve_verbose(verbose, parameter_server, is_chief=True):
@@ -283,7 +303,7 @@ def fit(executor, x=None, y=None, *, batch_size=None, epochs=1,
             guard.judge_epoch(model, epoch_logs, executor.nonfinite_updates, callbacks, epoch)
             replica_cbs.add_replica_logs(watchers, epoch_logs)
             if val is not None and data_lib.should_eval(epoch, validation_freq):
-                val_logs = executor.evaluate(val, callbacks)
+                val_logs = run_evaluation(executor, val, callbacks)
                 epoch_logs.update({"val_" + k: v for k, v in val_logs.items()})
             callbacks.on_epoch_end(epoch, epoch_logs)
             training_logs = epoch_logs
@@ -316,7 +336,7 @@ def evaluate(executor, x=None, y=None, *, batch_size=None,
         callbacks = keras.callbacks.CallbackList(
             callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
             steps=val.steps, model=model)
-    logs = executor.evaluate(val, callbacks)
+    logs = run_evaluation(executor, val, callbacks)
     if return_dict:
         return logs
     values = [logs[name] for name in ordered_names(model, logs)]
@@ -366,11 +386,9 @@ def predict_here(model, x, *, batch_size=None, verbose="auto", steps=None, callb
         callbacks = keras.callbacks.CallbackList(
             callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1, steps=total,
             model=model)
-    function = model.__dict__.get("_kd_predict")
-    if function is None:  # compiled once, as Keras keeps its predict_function
-        function = tf.function(lambda batch: model(batch, training=False),
-                               reduce_retracing=True)
-        model.__dict__["_kd_predict"] = function
+    # Compiled once per compilation, as Keras keeps its predict_function.
+    function = compiled.cached(model, "predict", lambda: tf.function(
+        lambda batch: model(batch, training=False), reduce_retracing=True))
     callbacks.on_predict_begin()
     outputs = []
     with dist.scope():

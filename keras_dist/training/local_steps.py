@@ -45,6 +45,7 @@ from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks
 from keras_dist.training import driver
 from keras_dist.training import stateless
 from keras_dist.training import step_report
+from keras_dist.training import steps as steps_lib
 from keras_dist.training import update
 from keras_dist.optimizers.base import StalenessAwareOptimizer
 
@@ -116,7 +117,7 @@ def check_model(model, strategy, local):
             "replicas: drop `local_steps` / `outer_optimizer` / `elastic` there (a script that "
             "runs both ways can pass local_steps only when "
             "isinstance(strategy, tf.distribute.ParameterServerStrategy)).")
-    spe = int(getattr(model, "steps_per_execution", 1) or 1)
+    spe = steps_lib.steps_per_execution(model)
     if spe > 1 and local_steps > 1:
         raise ValueError(
             f"local_steps={local_steps} with steps_per_execution={spe}: an execution "

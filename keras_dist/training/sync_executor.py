@@ -29,13 +29,14 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
-from keras_dist._runtime import quiet_tf_logger
+from keras_dist.training import compiled
 from keras_dist.training import data as data_lib
 from keras_dist.training import driver
 from keras_dist.training import nonfinite as guard
 from keras_dist.training import stall
 from keras_dist.training import step_report
 from keras_dist.training import update
+from keras_dist.training.steps import StepPlanner
 from keras_dist.callbacks import base as replica_cbs
 
 
@@ -68,35 +69,24 @@ class SyncExecutor(driver.Executor):
         self._start = 0  # the step the next epoch starts at (a resumed one: > 0)
         self._positioned = False  # the iterator is already at the next epoch's start
 
-    @classmethod
-    def for_evaluation(cls, model, plan):
-        """The model's evaluation executor under `plan` (a `RunPlan` or a
-        strategy), kept on the model (like Keras' `test_function`) so later
-        `evaluate` calls, validation in later `fit` calls and later epochs
-        reuse its compiled steps instead of tracing them again; a new one
-        after `compile()`."""
-        strategy = getattr(plan, "strategy", plan)
-        key = (id(strategy), id(model.optimizer), tuple(id(m) for m in model.metrics))
-        cached = model.__dict__.get("_kd_evaluator")
-        if cached is None or cached[0] != key:
-            cached = (key, cls(model, plan))
-            model.__dict__["_kd_evaluator"] = cached  # outside Keras' attribute tracking
-        return cached[1]
-
     # -------------------------------------------------------------- training
     def begin_training(self, train_input, callbacks):
         model = self.model
         _check_supported(model.optimizer, self.strategy, model)
-        self.policy = update.NonFinitePolicy(self.nonfinite_updates)
-        with self.strategy.scope():
-            self.policy.build(replicated=True)
-        self.policy.begin_training()
         if not model.run_eagerly:
             driver.build_for_training(model, self.strategy, train_input.sample())
-        slowed = bool(self.faults and self.faults.slowed)
+        faults = self.faults
+        # The skip counter and the compiled steps outlive this `fit`, like
+        # Keras' train_function: kept per compilation (`compiled.cached`).
+        state = compiled.cached(
+            model, ("sync", self.strategy, self.nonfinite_updates, faults.key if faults else ()),
+            lambda: _SyncState(model, self.strategy, self.nonfinite_updates, faults))
+        self.policy = state.policy
+        self.policy.begin_training()
+        slowed = bool(faults and faults.slowed)
         instrument = bool(replica_cbs.replica_callbacks(callbacks)) or slowed
-        self._train_fns = _StepFunctions(model, self.strategy, self._train_replica_step,
-                                         instrument=instrument, train=True)
+        self._train_fns = state.train_functions(instrument)
+        self._train_fns.open()
         self._iterator = iter(train_input.dataset) if train_input.repeats else None
 
     def release(self):
@@ -133,30 +123,45 @@ class SyncExecutor(driver.Executor):
             train_input.passes.end_epoch(ran_out=self._train_fns.ran_out)
         self.ran_out = self._train_fns.ran_out and train_input.repeats
 
-    def evaluate(self, eval_input, callbacks):
+    def test_epoch(self, eval_input):
         model = self.model
         if self._eval_fns is None:
             if not model.run_eagerly:
                 driver.build_for_training(model, self.strategy, eval_input.sample(),
                                           build_optimizer=False)
-            self._eval_fns = _StepFunctions(model, self.strategy, model.test_step)
+            # Per compilation, shared by validation in every fit and evaluate.
+            self._eval_fns = compiled.cached(
+                model, ("test", self.strategy),
+                lambda: _StepFunctions(model, self.strategy, model.test_step))
         model.reset_metrics()
-        callbacks.on_test_begin()
-        logs = {}
         iterator = iter(eval_input.dataset)
-        for event in self._eval_fns.steps(iterator, eval_input.steps):
-            if isinstance(event, driver.BatchBegin):
-                callbacks.on_test_batch_begin(event.batch)
-                continue
-            logs = event.logs
-            callbacks.on_test_batch_end(event.batch, logs)
-        data_lib.release_iterator(iterator)
-        iterator = None
-        logs = driver.metrics_or_logs(model, logs)
-        callbacks.on_test_end(logs)
-        return logs
+        try:
+            yield from self._eval_fns.steps(iterator, eval_input.steps)
+        finally:
+            data_lib.release_iterator(iterator)
+            iterator = None
 
-    # ------------------------------------------------------------- one step
+
+class _SyncState:
+    """What synchronous training keeps on a model per compilation: the
+    non-finite policy's skip counter and the compiled train steps (with and
+    without per-replica instrumentation)."""
+
+    def __init__(self, model, strategy, mode, faults):
+        self.model, self.strategy, self.faults = model, strategy, faults
+        self.nonfinite_updates = mode
+        self.policy = update.NonFinitePolicy(mode)
+        with strategy.scope():
+            self.policy.build(replicated=True)
+        self._functions = {}
+
+    def train_functions(self, instrument):
+        if instrument not in self._functions:
+            self._functions[instrument] = _StepFunctions(
+                self.model, self.strategy, self._train_replica_step,
+                instrument=instrument, train=True)
+        return self._functions[instrument]
+
     def _train_replica_step(self, data, instrument):
         """`model.train_step(data)` on one replica, with the update hook and
         the non-finite policy's loss rule (`guard.finite_loss_only`); with
@@ -215,10 +220,17 @@ class _StepFunctions:
         self.model, self._strategy, self._step = model, strategy, step
         self._functions = {}
         self._instrument = instrument
-        self._probe = stall.StallProbe.acquire() if instrument else None
-        self._stalled = self._probe.stalled() if instrument else 0.0
+        self._probe = None
+        self._stalled = 0.0
         self._train = train
         self.ran_out = False
+
+    def open(self):
+        """Takes the stall probe for one `fit` (instrumented steps only; see
+        `keras_dist.training.stall`)."""
+        if self._instrument and self._probe is None:
+            self._probe = stall.StallProbe.acquire()
+            self._stalled = self._probe.stalled()
 
     def close(self):
         """Lets the stall probe go (see `keras_dist.training.stall`)."""
@@ -330,25 +342,20 @@ class _StepFunctions:
 
     def steps(self, iterator, total, start=0):
         """Yields `BatchBegin` before and `BatchEnd` after each execution,
-        from step `start` on; stops at `total` steps or at the end of the data."""
-        per_call = max(1, int(getattr(self.model, "steps_per_execution", 1) or 1))
+        from step `start` on; stops at `total` steps or at the end of the
+        data (`keras_dist.training.steps.StepPlanner`)."""
         self.ran_out = False
-        begin = start
-        while total is None or begin < total:
-            k = 1 if total is None else min(per_call, total - begin)  # unknown length:
-            yield driver.BatchBegin(begin)                              # stop exactly at the end
+        for execution in StepPlanner.for_model(self.model, total, start).executions():
+            yield driver.BatchBegin(execution.begin)
             try:
-                logs, reports = self._call(k, iterator)
+                logs, reports = self._call(execution.size, iterator)
             except (tf.errors.OutOfRangeError, StopIteration):
                 self.ran_out = True
                 return
             steps = None if reports is None else [
-                replica_cbs.ReplicaStep.from_report(r, "replica", steps=k) for r in reports]
-            # Keras' index: an execution's last batch as if it ran all of
-            # `steps_per_execution` (7 batches at 3 per call: 2, 5, 8), also
-            # for a shorter last one.
-            yield driver.BatchEnd(begin + per_call - 1, logs, steps)
-            begin += k
+                replica_cbs.ReplicaStep.from_report(r, "replica", steps=execution.size)
+                for r in reports]
+            yield driver.BatchEnd(execution.batch, logs, steps)
 
 
 def _check_supported(optimizer, strategy, model=None):

@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 from keras_dist.optimizers.base import StalenessAwareOptimizer
+from keras_dist.training import compiled
 from keras_dist.training import driver
 from keras_dist.training import local_steps as local_steps_lib
 from keras_dist.training import sharded
@@ -42,13 +43,10 @@ class WorkerStep:
 
     @classmethod
     def of(cls, model, strategy, mode, options):
-        state = model.__dict__.get("_kd_async_state")
-        if (state is None or state.strategy is not strategy or state.policy.mode != mode
-                or state.options != options):
-            state = cls(model, strategy, mode, options)
-            # In __dict__ so Keras' attribute tracking leaves it alone.
-            model.__dict__["_kd_async_state"] = state
-        return state
+        """The model's `WorkerStep` for this strategy, policy and options,
+        kept per compilation (`keras_dist.training.compiled`)."""
+        return compiled.cached(model, ("async", strategy, mode, options),
+                               lambda: cls(model, strategy, mode, options))
 
     def __init__(self, model, strategy, mode, options):
         self.model, self.strategy, self.options = model, strategy, options
@@ -93,11 +91,10 @@ class WorkerStep:
     def step_function(self, k, faults, local=False, outer=None, elastic=None, ring=None):
         """The `tf.function` running `k` steps on a worker (with `local`: one
         round of local steps, `keras_dist.training.local_steps`); cached (like Keras'
-        `train_function`) so later epochs and `fit` calls do not retrace.
-        Keyed by the optimizers too: a new compile() must not reuse a
-        function that captured the old optimizer."""
-        key = (id(self.model.optimizer), k, faults.key if faults else (), local, id(outer),
-               id(elastic), id(ring))
+        `train_function`) so later epochs and `fit` calls do not retrace;
+        a new compile() makes a new `WorkerStep` (`of`). Keyed by the
+        objects the function captures (compared by identity)."""
+        key = (k, faults.key if faults else (), local, outer, elastic, ring)
         if key not in self._functions:
             strategy = self.strategy
 

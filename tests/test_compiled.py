@@ -1,0 +1,71 @@
+"""One cache of compiled functions per model, emptied by `compile()` (issue 33).
+
+A model counts, in Python, each trace of its `train_step` and `test_step`
+(Python code in a `tf.function` runs only while it is traced). Under
+Mirrored over two logical CPUs each replica traces once: a second `fit`,
+later epochs and a second `evaluate` trace nothing more, as Keras' own
+`train_function` does; a new `compile()` traces again.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_dist as kd
+from conftest import CPUS
+from keras_dist.training import compiled
+
+TRACES = {"train": 0, "test": 0}
+
+
+class Counting(keras.Sequential):
+    def train_step(self, data):
+        TRACES["train"] += 1
+        return super().train_step(data)
+
+    def test_step(self, data):
+        TRACES["test"] += 1
+        return super().test_step(data)
+
+
+def _compile(model):
+    model.compile(optimizer=keras.optimizers.SGD(0.1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(), metrics=["accuracy"])
+
+
+@pytest.fixture
+def mirrored():
+    return kd.resolve_strategy("mirrored", devices=CPUS)
+
+
+def test_second_fit_and_evaluate_trace_nothing_and_compile_starts_afresh(mirrored):
+    x = np.random.default_rng(0).normal(size=(96, 4)).astype("float32")
+    y = np.arange(96) % 3
+    with mirrored.scope():
+        model = Counting([keras.Input((4,)), keras.layers.Dense(3, activation="softmax")])
+        _compile(model)
+    TRACES.update(train=0, test=0)
+    kd.fit(model, x, y, epochs=2, batch_size=16, verbose=0, strategy=mirrored,
+           validation_data=(x, y))
+    first = dict(TRACES)
+    assert first["train"] == mirrored.num_replicas_in_sync == 2, first
+    assert first["test"] == 2, first
+    kd.fit(model, x, y, epochs=2, batch_size=16, verbose=0, strategy=mirrored,
+           validation_data=(x, y))
+    kd.evaluate(model, x, y, verbose=0)
+    assert TRACES == first, (first, TRACES)  # nothing traced again
+    with mirrored.scope():
+        _compile(model)
+    kd.fit(model, x, y, epochs=1, batch_size=16, verbose=0, strategy=mirrored)
+    assert TRACES["train"] == 2 * first["train"], TRACES  # the new compilation traced
+
+
+def test_cache_is_per_compilation_even_with_the_same_optimizer():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    optimizer = keras.optimizers.SGD(0.1)
+    model.compile(optimizer, "mse")
+    first = compiled.cached(model, "key", object)
+    assert compiled.cached(model, "key", object) is first
+    assert compiled.cached(model, "other", object) is not first
+    model.compile(optimizer, "mae")  # same optimizer object, new loss
+    assert compiled.cached(model, "key", object) is not first
