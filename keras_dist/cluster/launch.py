@@ -44,6 +44,8 @@ which backup is in force, and the launcher names it when it restarts the job."""
 
 PREEMPTED_EXIT_CODE = 75  # keras_dist.callbacks.backup.PREEMPTED_EXIT_CODE
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # keras_dist/
+
 
 @dataclasses.dataclass(frozen=True)
 class Failure:
@@ -140,7 +142,7 @@ class Cluster:
             # Keras' own model.fit there (keras_dist/cluster/plain_fit.py): a script
             # that never hands its training to keras_dist fails on every
             # task instead of training one model per task.
-            boot = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_boot")
+            boot = os.path.join(_PACKAGE, "_boot")
             self.env["PYTHONPATH"] = os.pathsep.join(
                 [boot] + [p for p in self.env.get("PYTHONPATH", "").split(os.pathsep) if p])
         self.console = _Console(out or sys.stdout,

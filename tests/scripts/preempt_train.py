@@ -73,14 +73,15 @@ def main(out_dir, backup_dir, epochs, save_freq):
     cluster = kd.ClusterConfig.from_env()
     if cluster is None or not cluster.num_ps:  # refused there: not deterministic
         tf.config.experimental.enable_op_determinism()
+    chief = cluster is None or cluster.is_chief  # the task that writes the results
     (x, y), (x_test, y_test) = load_digits()
     backup = kd.callbacks.BackupAndRestore(
         backup_dir, save_freq=save_freq if save_freq == "epoch" else int(save_freq),
         delete_checkpoint=False)
     history = kd.fit(build_model, x, y, strategy=strategy, epochs=epochs, batch_size=64,
                      validation_data=(x_test, y_test), verbose=2,
-                     callbacks=[backup, Progress(out_dir, backup._chief)])
-    if not backup._chief:
+                     callbacks=[backup, Progress(out_dir, chief)])
+    if not chief:
         return
     model = history.model
     np.savez(os.path.join(out_dir, "final.npz"),
