@@ -129,6 +129,15 @@ def test_help_answers_without_importing_tensorflow():
     assert "loaded: []" in proc.stdout
 
 
+@pytest.mark.multiprocess
+def test_the_earlier_module_path_still_launches():
+    """`python -m keras_dist.launch` (the path before issue 33) is the same launcher."""
+    proc = subprocess.run([sys.executable, "-m", "keras_dist.launch", "--help"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "usage: keras-dist-run" in proc.stdout, proc.stdout
+
+
 def test_tensorflow_noise_is_dropped_unless_the_user_asks_for_it(tmp_path):
     script = tmp_path / "task.py"
     script.write_text(

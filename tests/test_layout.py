@@ -109,7 +109,8 @@ def test_every_training_module_is_in_a_subpackage_by_job():
     # Public entry points and import-time plumbing only; the machinery is in
     # cluster/ and training/ (and optimizers/, callbacks/).
     assert top == ["__init__.py", "_registration.py", "_runtime.py",
-                   "datasets.py", "faults.py", "flags.py", "recipes.py", "sharded.py",
+                   "datasets.py", "faults.py", "flags.py", "launch.py", "recipes.py",
+                   "sharded.py",
                    "simulate.py", "testing.py", "versions.py"], top
 
 
