@@ -1,12 +1,13 @@
-"""`fit()` / `evaluate()`: strategy-selecting drop-ins for `keras.Model.fit`.
+"""`fit()`, `evaluate()`, `predict()`: strategy-selecting drop-ins for Keras'.
 
-`fit` resolves the strategy (`resolve_strategy`), makes sure the model lives
-in that strategy's scope, and trains with Keras' own loop where it works (no
-strategy, one device) and with keras_dist's epoch driver (`keras_dist.training.driver`)
-elsewhere: the synchronous executor where Keras 3's loop fails (several
-replicas: Mirrored, MultiWorkerMirrored), the asynchronous one on parameter
-servers. The cluster description and fault injection are read here, once,
-and handed down.
+`fit` builds the run's plan first (`keras_dist.training.plan.RunPlan`: the
+strategy, the cluster, fault injection, the non-finite policy, local steps,
+every argument checked, the environment read once), makes sure the model
+lives in the strategy's scope, and trains by the plan's route (`train`):
+Keras' own loop where it works (no strategy, one device), keras_dist's
+epoch driver (`keras_dist.training.driver`) elsewhere, with the synchronous
+executor where Keras 3's loop fails (several replicas: Mirrored,
+MultiWorkerMirrored) and the asynchronous one on parameter servers.
 """
 
 import functools
@@ -19,7 +20,6 @@ import tensorflow as tf
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 from keras_dist.cluster import plain_fit
 from keras_dist.cluster.serving import serve
-from keras_dist.training import data as data_lib
 from keras_dist.training import driver
 from keras_dist.training import nonfinite
 from keras_dist.training import staleness
@@ -136,10 +136,10 @@ def fit(model, x=None, y=None, *, strategy="auto", cluster=None, nonfinite_updat
             that is not an integer in range (Keras accepts `batch_size=0` or
             `epochs=-3` silently); each message names the value and the fix.
     """
-    data_lib.check_fit_counts(**fit_kwargs)  # batch_size=0, epochs=-3, ...: before anything
     plan = RunPlan.build(strategy, cluster, nonfinite_updates=nonfinite_updates,
                          local_steps=local_steps, outer_optimizer=outer_optimizer,
-                         elastic=elastic, variable_partitioner=variable_partitioner)
+                         elastic=elastic, variable_partitioner=variable_partitioner,
+                         fit_kwargs=fit_kwargs)
     if plan.serving_task:
         serve(plan.cluster)  # a worker / ps task of a parameter-server cluster: never returns
     model = _model_in_scope(model, plan.strategy)

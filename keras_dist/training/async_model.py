@@ -178,14 +178,12 @@ class AsyncModel(keras.Model):
             **kwargs: `keras.Model.fit`'s arguments.
         """
         from keras_dist.training import api
-        from keras_dist.training import data as data_lib
         from keras_dist.training.plan import RunPlan
 
-        data_lib.check_fit_counts(**kwargs)
         plan = RunPlan.build(self.distribute_strategy,
                              nonfinite_updates=self.nonfinite_updates,
                              local_steps=local_steps, outer_optimizer=outer_optimizer,
-                             elastic=elastic)
+                             elastic=elastic, fit_kwargs=kwargs)
         if plan.serving_task and not plan.parameter_server:
             serve(plan.cluster)  # a worker / ps task of the cluster serves here
         # Under parameter servers the asynchronous executor; under any other

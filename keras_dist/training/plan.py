@@ -170,7 +170,7 @@ class RunPlan:
     @classmethod
     def build(cls, strategy="auto", cluster=None, *, nonfinite_updates=None, local_steps=1,
               outer_optimizer=None, elastic=None, variable_partitioner=None, environ=None,
-              async_options=None):
+              async_options=None, fit_kwargs=None):
         """Decides everything once: reads the environment (`environ`, default
         `os.environ`), validates every argument, resolves the strategy.
 
@@ -183,6 +183,9 @@ class RunPlan:
             variable_partitioner: See `keras_dist.resolve_strategy`.
             environ: Mapping read instead of `os.environ`.
             async_options: `AsyncOptions` or `None` (the defaults).
+            fit_kwargs: Dict of `keras.Model.fit` arguments, whose counts
+                (`batch_size`, `epochs`, `steps_per_epoch`, ...) are
+                checked here, before anything starts.
 
         Returns:
             A `RunPlan`. On a worker or ps task of a parameter-server
@@ -191,6 +194,9 @@ class RunPlan:
         Raises:
             ValueError: for any bad argument, naming it and the fix.
         """
+        from keras_dist.training import data as data_lib
+
+        data_lib.check_fit_counts(**(fit_kwargs or {}))  # batch_size=0, epochs=-3, ...
         env = os.environ if environ is None else environ
         if nonfinite_updates is not None:
             check_nonfinite_mode(nonfinite_updates)
