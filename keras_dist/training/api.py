@@ -16,6 +16,7 @@ import logging
 import keras
 import tensorflow as tf
 
+from keras_dist import _compat
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 from keras_dist.cluster import plain_fit
 from keras_dist.cluster.serving import serve
@@ -165,10 +166,9 @@ def train(model, plan, x=None, y=None, keras_fit=None, **fit_kwargs):
             model = history.model
             # Keras' own evaluate / predict fail where its fit does: the model's
             # are keras_dist's from now on (`kd.evaluate`, `kd.predict`).
-            model.__dict__["evaluate"] = functools.partial(evaluate, model,
-                                                           strategy=plan.strategy)
-            model.__dict__["predict"] = functools.partial(predict, model,
-                                                          strategy=plan.strategy)
+            _compat.override(model, evaluate=functools.partial(evaluate, model,
+                                                               strategy=plan.strategy),
+                             predict=functools.partial(predict, model, strategy=plan.strategy))
         else:
             if is_dataset_fn(x):
                 x = plan.strategy.distribute_datasets_from_function(x)

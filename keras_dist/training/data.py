@@ -22,6 +22,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_dist import _compat
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 
 DEFAULT_BATCH_SIZE = 32
@@ -545,7 +546,7 @@ def distribute(strategy, x, y=None, sample_weight=None, *, batch_size=None,
             local = x
             sample = lambda: first_batch(x)  # noqa: E731
         else:  # a generator or a PyDataset, read by Keras' own data adapter
-            adapter = _keras_adapter(x, class_weight=class_weight, shuffle=shuffle)
+            adapter = _compat.keras_data_adapter(x, class_weight=class_weight, shuffle=shuffle)
             if kind == "py_dataset" and adapter.num_batches is None and steps is None:
                 raise ValueError(
                     f"`{what}` is a PyDataset without an end (`num_batches` is None); "
@@ -711,20 +712,6 @@ def _owned(dataset):
     if isinstance(dataset.element_spec, tuple):
         return dataset.map(lambda *batch: tuple(tf.nest.map_structure(copy, batch)))
     return dataset.map(lambda batch: tf.nest.map_structure(copy, batch))
-
-
-def _keras_adapter(x, *, class_weight, shuffle):
-    """Keras' own data adapter of a generator or `PyDataset` (what
-    `keras.Model.fit(x)` reads it with: batches, order, class weights,
-    workers, epoch hooks).
-
-    Keras has no public API for its data adapters; this is the one place
-    keras_dist imports them (`keras.src.trainers.data_adapters`,
-    `get_data_adapter`, unchanged from Keras 3.0 to 3.15).
-    """
-    from keras.src.trainers import data_adapters
-
-    return data_adapters.get_data_adapter(x, class_weight=class_weight, shuffle=shuffle)
 
 
 def _adapter_sample(x, adapter, kind):
