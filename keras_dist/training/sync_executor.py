@@ -29,7 +29,6 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
-from keras_dist._runtime import quiet_tf_logger
 from keras_dist.training import data as data_lib
 from keras_dist.training import driver
 from keras_dist.training import nonfinite as guard
