@@ -132,19 +132,11 @@ class CompositeHandle(tf.__internal__.CompositeTensor):
         cls.__composite_gradient__ = gradient
 
     def __init__(self, variable):
-        self.variable = variable
+        self.variable, self.dtype, self.shape = variable, variable.dtype, variable.shape
 
     @property
     def _type_spec(self):
         return self.variable._type_spec
-
-    @property
-    def dtype(self):
-        return self.variable.dtype
-
-    @property
-    def shape(self):
-        return self.variable.shape
 
 
 def strategy_variable_creator(extended):

@@ -176,8 +176,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         # starts); until then, one process that leads and no launcher.
         self._chief = True
         self._workers = 1
-        self._run_state = None
-        self._lock = None
+        self._run_state = self._lock = None
         self._writer = None  # the thread writing the last backup
         self._write_error = None
         self._reader = None  # (variables' ids, the function reading them all)

@@ -205,10 +205,14 @@ def evaluate(model, x=None, y=None, *, strategy=None, **evaluate_kwargs):
 
     >>> import numpy as np, keras, keras_dist as kd
     >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
-    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
     >>> loss = kd.evaluate(model, np.ones((8, 4)), np.ones((8, 1)), verbose=0)
-    >>> isinstance(loss, float)
+    >>> isinstance(loss, list)  # the loss and the metric
     True
+    >>> logs = kd.evaluate(model, np.ones((8, 4)), np.ones((8, 1)), verbose=0,
+    ...                    return_dict=True)
+    >>> sorted(logs)
+    ['loss', 'mae']
     """
     dist = strategy or model.distribute_strategy
     if isinstance(dist, tf.distribute.ParameterServerStrategy):
