@@ -262,7 +262,6 @@ def fit_kwargs(flag_values=FLAGS, *, strategy=None, cluster=None, callbacks=None
 
     Example:
 
-    >>> import keras
     >>> from absl import flags
     >>> from keras_dist import flags as kd_flags
     >>> fv = flags.FlagValues()
@@ -270,6 +269,10 @@ def fit_kwargs(flag_values=FLAGS, *, strategy=None, cluster=None, callbacks=None
     >>> _ = fv(["train.py"])
     >>> kd_flags.fit_kwargs(fv)
     {'strategy': 'auto', 'local_steps': 1, 'callbacks': []}
+
+    With callbacks from flags and of your own:
+
+    >>> import keras
     >>> _ = fv(["train.py", "--per_replica_metrics", "--straggler_threshold=0.5",
     ...         "--straggler_window=20"])
     >>> kwargs = kd_flags.fit_kwargs(fv, callbacks=[keras.callbacks.TerminateOnNaN()])
