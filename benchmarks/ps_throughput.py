@@ -62,7 +62,7 @@ def main(argv):
     from rich.table import Table
 
     from keras_dist.datasets import load_digits
-    from keras_dist.training.sync_executor import quiet_tf_logger
+    from keras_dist._runtime import quiet_tf_logger
 
     try:
         import tf_keras

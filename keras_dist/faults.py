@@ -240,13 +240,13 @@ def slow_down(identity, elapsed, after, slowed=None):
 
     Example:
 
-    >>> import tensorflow as tf
-    >>> from keras_dist.testing import slow_down
+    >>> import tensorflow as tf, keras_dist as kd
     >>> start = tf.timestamp()
-    >>> waits = slow_down(1, tf.constant(0.01, tf.float64), start, slowed={1: 3.0})
+    >>> waits = kd.testing.slow_down(1, tf.constant(0.01, tf.float64), start,
+    ...                              slowed={1: 3.0})
     >>> float(waits[0] - start) >= 0.02   # worker 1: (3 - 1) x 10 ms more
     True
-    >>> slow_down(0, 0.01, start, slowed={})
+    >>> kd.testing.slow_down(0, 0.01, start, slowed={})
     []
     """
     slowed = slow_workers_from_env() if slowed is None else slowed

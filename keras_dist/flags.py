@@ -262,7 +262,6 @@ def fit_kwargs(flag_values=FLAGS, *, strategy=None, cluster=None, callbacks=None
 
     Example:
 
-    >>> import keras
     >>> from absl import flags
     >>> from keras_dist import flags as kd_flags
     >>> fv = flags.FlagValues()
@@ -270,6 +269,10 @@ def fit_kwargs(flag_values=FLAGS, *, strategy=None, cluster=None, callbacks=None
     >>> _ = fv(["train.py"])
     >>> kd_flags.fit_kwargs(fv)
     {'strategy': 'auto', 'local_steps': 1, 'callbacks': []}
+
+    With callbacks from flags and of your own:
+
+    >>> import keras
     >>> _ = fv(["train.py", "--per_replica_metrics", "--straggler_threshold=0.5",
     ...         "--straggler_window=20"])
     >>> kwargs = kd_flags.fit_kwargs(fv, callbacks=[keras.callbacks.TerminateOnNaN()])
@@ -425,71 +428,70 @@ def _needs(flag_values, switch, names, condition, rule):
                                               flag_values=flag_values)
 
 
+def _define(fv, kind, name, default, help_text, check=None, rule=None, **options):
+    """Defines `--name` (`absl_flags.DEFINE_<kind>`) in `fv`, and with `check`
+    its validator (see `_validate`)."""
+    getattr(absl_flags, f"DEFINE_{kind}")(name, default, help=help_text, flag_values=fv,
+                                          **options)
+    if check is not None:
+        _validate(fv, name, check, rule)
+
+
+_AT_LEAST_0 = (lambda v: v >= 0, "must be >= 0.")
+_ABOVE_0 = (lambda v: v > 0, "must be > 0.")
+_FRACTION = (lambda v: 0 <= v < 1, "must be in the range [0, 1).")
+
+
 def _define_strategy(fv):
     from keras_dist.cluster.strategy import StrategyKind
 
-    absl_flags.DEFINE_enum(
-        "strategy", "auto", ["auto"] + [kind.value for kind in StrategyKind],
-        "tf.distribute strategy. 'auto' decides by KERAS_DIST_STRATEGY, then the "
-        "cluster (TF_CONFIG / SLURM), then the local GPUs (docs/choosing-a-strategy.md).",
-        flag_values=fv)
+    _define(fv, "enum", "strategy", "auto",
+            "tf.distribute strategy. 'auto' decides by KERAS_DIST_STRATEGY, then the "
+            "cluster (TF_CONFIG / SLURM), then the local GPUs (docs/choosing-a-strategy.md).",
+            enum_values=["auto"] + [kind.value for kind in StrategyKind])
 
 
 def _define_nonfinite_updates(fv):
     from keras_dist.training.update import MODES
 
-    absl_flags.DEFINE_enum(
-        "nonfinite_updates", None, list(MODES),
-        "What keras_dist's own loops do with an update whose gradients are NaN or Inf: "
-        "skip and count it, or raise. Unset: the model's setting, else skip.",
-        flag_values=fv)
+    _define(fv, "enum", "nonfinite_updates", None,
+            "What keras_dist's own loops do with an update whose gradients are NaN or Inf: "
+            "skip and count it, or raise. Unset: the model's setting, else skip.",
+            enum_values=list(MODES))
 
 
 def _define_staleness(fv):
     from keras_dist.optimizers import DCASGD, GapAware
     from keras_dist.optimizers.dcasgd import MODES
 
-    absl_flags.DEFINE_enum(
-        "staleness", "none", ["none"] + list(STALENESS_WRAPPERS),
-        "Staleness-aware wrapper around the optimizer (asynchronous training): "
-        "scaled g/max(tau,1), dynsgd g/(tau+1), dcasgd delay compensation, gap_aware "
-        "per-weight gap penalty (docs/staleness-aware-optimizers.md).", flag_values=fv)
-    absl_flags.DEFINE_integer(
-        "max_staleness", None, "Drop updates staler than this (StalenessLimit, outside the "
-        "--staleness wrapper); 2 x workers is a common choice. Unset: no limit.",
-        flag_values=fv)
-    _validate(fv, "max_staleness", lambda v: v is None or v >= 0,
-              "must be an integer >= 0 (the largest tau still applied), or unset.")
-
-    def default(name):
-        return _signature_default(DCASGD, name)
-
-    absl_flags.DEFINE_enum("dcasgd_mode", default("mode"), list(MODES),
-                           "DC-ASGD: constant lambda (DC-ASGD-c) or adaptive (DC-ASGD-a).",
-                           flag_values=fv)
-    absl_flags.DEFINE_float("dcasgd_lambda", default("lambda_"),
-                            "DC-ASGD constant mode: the variance-control factor lambda.",
-                            flag_values=fv)
-    absl_flags.DEFINE_float("dcasgd_lambda0", default("lambda0"),
-                            "DC-ASGD adaptive mode: lambda0 in lambda0/sqrt(MS + epsilon).",
-                            flag_values=fv)
-    absl_flags.DEFINE_float("dcasgd_momentum", default("momentum"),
-                            "DC-ASGD adaptive mode: decay of the mean square MS.",
-                            flag_values=fv)
-    absl_flags.DEFINE_float("dcasgd_epsilon", default("epsilon"),
-                            "DC-ASGD adaptive mode: added under the square root.",
-                            flag_values=fv)
-    absl_flags.DEFINE_float("gap_aware_beta", _signature_default(GapAware, "beta"),
-                            "Gap-Aware: decay of the average of g*g.", flag_values=fv)
-    absl_flags.DEFINE_float("gap_aware_epsilon", _signature_default(GapAware, "epsilon"),
-                            "Gap-Aware: epsilon in eta_max * (sqrt(v) + epsilon).",
-                            flag_values=fv)
-    for name in ("dcasgd_lambda", "dcasgd_lambda0"):
-        _validate(fv, name, lambda v: v >= 0, "must be >= 0.")
-    _validate(fv, "dcasgd_momentum", lambda v: 0 <= v < 1, "must be in the range [0, 1).")
-    _validate(fv, "gap_aware_beta", lambda v: 0 <= v < 1, "must be in the range [0, 1).")
-    for name in ("dcasgd_epsilon", "gap_aware_epsilon"):
-        _validate(fv, name, lambda v: v > 0, "must be > 0.")
+    _define(fv, "enum", "staleness", "none",
+            "Staleness-aware wrapper around the optimizer (asynchronous training): "
+            "scaled g/max(tau,1), dynsgd g/(tau+1), dcasgd delay compensation, gap_aware "
+            "per-weight gap penalty (docs/staleness-aware-optimizers.md).",
+            enum_values=["none"] + list(STALENESS_WRAPPERS))
+    _define(fv, "integer", "max_staleness", None,
+            "Drop updates staler than this (StalenessLimit, outside the --staleness "
+            "wrapper); 2 x workers is a common choice. Unset: no limit.",
+            lambda v: v is None or v >= 0,
+            "must be an integer >= 0 (the largest tau still applied), or unset.")
+    _define(fv, "enum", "dcasgd_mode", _signature_default(DCASGD, "mode"),
+            "DC-ASGD: constant lambda (DC-ASGD-c) or adaptive (DC-ASGD-a).",
+            enum_values=list(MODES))
+    # Each wrapper's hyperparameters: (flag, wrapper class, argument, help, check).
+    for name, cls, argument, help_text, check in (
+            ("dcasgd_lambda", DCASGD, "lambda_",
+             "DC-ASGD constant mode: the variance-control factor lambda.", _AT_LEAST_0),
+            ("dcasgd_lambda0", DCASGD, "lambda0",
+             "DC-ASGD adaptive mode: lambda0 in lambda0/sqrt(MS + epsilon).", _AT_LEAST_0),
+            ("dcasgd_momentum", DCASGD, "momentum",
+             "DC-ASGD adaptive mode: decay of the mean square MS.", _FRACTION),
+            ("dcasgd_epsilon", DCASGD, "epsilon",
+             "DC-ASGD adaptive mode: added under the square root.", _ABOVE_0),
+            ("gap_aware_beta", GapAware, "beta", "Gap-Aware: decay of the average of g*g.",
+             _FRACTION),
+            ("gap_aware_epsilon", GapAware, "epsilon",
+             "Gap-Aware: epsilon in eta_max * (sqrt(v) + epsilon).", _ABOVE_0)):
+        _define(fv, "float", name, _signature_default(cls, argument), help_text, *check)
     for wrapper, names in _WRAPPER_ARGS.items():
         _needs(fv, "staleness", names, lambda value, wrapper=wrapper: value == wrapper,
                f"{STALENESS_WRAPPERS[wrapper]} hyperparameters, used only with "
@@ -497,86 +499,71 @@ def _define_staleness(fv):
 
 
 def _define_local_steps(fv):
-    absl_flags.DEFINE_integer(
-        "local_steps", 1, "Parameter servers only: steps each worker takes on its own copy "
-        "of the weights per push (Downpour / local SGD, docs/local-steps.md).",
-        flag_values=fv)
-    absl_flags.DEFINE_float(
-        "outer_learning_rate", 1.0, "Parameter servers only: learning rate of the outer SGD "
-        "that applies each push (DiLoCo); 1.0 with --outer_momentum=0 adds the push as is.",
-        flag_values=fv)
-    absl_flags.DEFINE_float(
-        "outer_momentum", 0.0, "Parameter servers only: Nesterov momentum of the outer SGD.",
-        flag_values=fv)
-    _validate(fv, "local_steps", lambda v: v >= 1,
-              "must be an integer >= 1 (1: every step updates the parameter servers).")
-    _validate(fv, "outer_learning_rate", lambda v: v > 0, "must be > 0.")
-    _validate(fv, "outer_momentum", lambda v: 0 <= v < 1, "must be in the range [0, 1).")
+    _define(fv, "integer", "local_steps", 1,
+            "Parameter servers only: steps each worker takes on its own copy of the "
+            "weights per push (Downpour / local SGD, docs/local-steps.md).",
+            lambda v: v >= 1,
+            "must be an integer >= 1 (1: every step updates the parameter servers).")
+    _define(fv, "float", "outer_learning_rate", 1.0,
+            "Parameter servers only: learning rate of the outer SGD that applies each "
+            "push (DiLoCo); 1.0 with --outer_momentum=0 adds the push as is.", *_ABOVE_0)
+    _define(fv, "float", "outer_momentum", 0.0,
+            "Parameter servers only: Nesterov momentum of the outer SGD.", *_FRACTION)
 
 
 def _define_straggler(fv):
     from keras_dist.callbacks import StragglerDetector
 
-    absl_flags.DEFINE_float(
-        "straggler_threshold", None, "Add a StragglerDetector: flag a worker that costs "
-        "the job more than this share of its time; "
-        f"{_signature_default(StragglerDetector, 'threshold')} is the usual value. "
-        "Unset or 0: no detector.", flag_values=fv)
-    absl_flags.DEFINE_integer(
-        "straggler_window", _signature_default(StragglerDetector, "window"),
-        "StragglerDetector: steps in the rolling window.", flag_values=fv)
-    absl_flags.DEFINE_enum(
-        "straggler_action", _signature_default(StragglerDetector, "action"),
-        ["warn", "raise"], "StragglerDetector: log a line, or stop training with "
-        "StragglerError, when a worker becomes a straggler.", flag_values=fv)
-    _validate(fv, "straggler_threshold", lambda v: v is None or 0 <= v < 1,
-              "must be in the range (0, 1) (a worker is flagged when it costs the job more "
-              "than this share of its time), or 0 / unset for no detector.")
-    _validate(fv, "straggler_window", lambda v: v >= 2, "must be an integer >= 2.")
+    _define(fv, "float", "straggler_threshold", None,
+            "Add a StragglerDetector: flag a worker that costs the job more than this "
+            f"share of its time; {_signature_default(StragglerDetector, 'threshold')} is "
+            "the usual value. Unset or 0: no detector.",
+            lambda v: v is None or 0 <= v < 1,
+            "must be in the range (0, 1) (a worker is flagged when it costs the job more "
+            "than this share of its time), or 0 / unset for no detector.")
+    _define(fv, "integer", "straggler_window", _signature_default(StragglerDetector, "window"),
+            "StragglerDetector: steps in the rolling window.",
+            lambda v: v >= 2, "must be an integer >= 2.")
+    _define(fv, "enum", "straggler_action", _signature_default(StragglerDetector, "action"),
+            "StragglerDetector: log a line, or stop training with StragglerError, when a "
+            "worker becomes a straggler.", enum_values=["warn", "raise"])
     _needs(fv, "straggler_threshold", ["straggler_window", "straggler_action"], bool,
            "StragglerDetector settings, but the detector is off. Pass "
            "--straggler_threshold (e.g. 0.2) too, or leave them out.")
 
 
 def _define_metrics(fv):
-    absl_flags.DEFINE_string(
-        "tensorboard_dir", None, "TensorBoard directory: Keras' TensorBoard callback "
-        "(chief only) and one run per worker from PerReplicaMetrics (<dir>/<worker>). "
-        "Unset: none.",
-        flag_values=fv)
-    absl_flags.DEFINE_boolean(
-        "per_replica_metrics", False, "Add PerReplicaMetrics: each worker's loss, step time, "
-        "throughput and staleness in the epoch logs, and a table at the end.",
-        flag_values=fv)
+    _define(fv, "string", "tensorboard_dir", None,
+            "TensorBoard directory: Keras' TensorBoard callback (chief only) and one run "
+            "per worker from PerReplicaMetrics (<dir>/<worker>). Unset: none.")
+    _define(fv, "boolean", "per_replica_metrics", False,
+            "Add PerReplicaMetrics: each worker's loss, step time, throughput and "
+            "staleness in the epoch logs, and a table at the end.")
 
 
 def _define_sharding(fv):
-    absl_flags.DEFINE_integer(
-        "shard_min_bytes", None, "Parameter servers only: split variables larger than this "
-        "into shards of at least this many bytes, at most one per ps task "
-        "(MinSizePartitioner, docs/sharded-variables.md). Unset: no sharding.",
-        flag_values=fv)
-    _validate(fv, "shard_min_bytes", lambda v: v is None or v >= 1,
-              "must be a number of bytes >= 1, or unset.")
+    _define(fv, "integer", "shard_min_bytes", None,
+            "Parameter servers only: split variables larger than this into shards of at "
+            "least this many bytes, at most one per ps task (MinSizePartitioner, "
+            "docs/sharded-variables.md). Unset: no sharding.",
+            lambda v: v is None or v >= 1, "must be a number of bytes >= 1, or unset.")
 
 
 def _define_backup(fv):
     from keras_dist.callbacks import BackupAndRestore
 
-    absl_flags.DEFINE_string(
-        "backup_dir", None, "Add a BackupAndRestore: back training up there (a directory "
-        "every task sees) and resume from it when rerun or restarted; save and exit with "
-        "code 75 on SIGTERM. Unset: no backups.", flag_values=fv)
-    absl_flags.DEFINE_string(
-        "save_freq", "epoch", "BackupAndRestore: 'epoch', or a backup every this many steps.",
-        flag_values=fv)
-    absl_flags.DEFINE_float(
-        "grace_period", _signature_default(BackupAndRestore, "grace_period"),
-        "BackupAndRestore: seconds the scheduler leaves between SIGTERM and SIGKILL "
-        "(Kubernetes' terminationGracePeriodSeconds).", flag_values=fv)
-    _validate(fv, "save_freq", lambda v: v == "epoch" or (v.isdigit() and int(v) >= 1),
-              "must be 'epoch' or an integer number of steps >= 1.")
-    _validate(fv, "grace_period", lambda v: v > 0, "must be a number of seconds > 0.")
+    _define(fv, "string", "backup_dir", None,
+            "Add a BackupAndRestore: back training up there (a directory every task sees) "
+            "and resume from it when rerun or restarted; save and exit with code 75 on "
+            "SIGTERM. Unset: no backups.")
+    _define(fv, "string", "save_freq", "epoch",
+            "BackupAndRestore: 'epoch', or a backup every this many steps.",
+            lambda v: v == "epoch" or (v.isdigit() and int(v) >= 1),
+            "must be 'epoch' or an integer number of steps >= 1.")
+    _define(fv, "float", "grace_period", _signature_default(BackupAndRestore, "grace_period"),
+            "BackupAndRestore: seconds the scheduler leaves between SIGTERM and SIGKILL "
+            "(Kubernetes' terminationGracePeriodSeconds).",
+            lambda v: v > 0, "must be a number of seconds > 0.")
     _needs(fv, "backup_dir", ["save_freq", "grace_period"], bool,
            "BackupAndRestore settings, but no backups are made. Pass --backup_dir too, or "
            "leave them out.")

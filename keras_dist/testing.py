@@ -3,9 +3,9 @@
 Example:
 
 >>> import keras_dist as kd
->>> with kd.testing.slow_worker(1, 3):   # worker 1 three times slower in this block
-...     kd.testing.slow_workers_from_env()
-{1: 3.0}
+>>> from keras_dist import faults
+>>> kd.testing.slow_worker is faults.slow_worker   # the production half, re-exported
+True
 
 Slowdowns inside training (`slow_worker`, `KERAS_DIST_SLOW_WORKER`,
 `FaultInjection`, `sleep`, `slow_down`) live in `keras_dist.faults`, the

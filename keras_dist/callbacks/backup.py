@@ -18,6 +18,7 @@ import warnings
 import keras
 import numpy as np
 
+from keras_dist import _compat
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 
 logger = logging.getLogger("keras_dist")
@@ -175,8 +176,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         # starts); until then, one process that leads and no launcher.
         self._chief = True
         self._workers = 1
-        self._run_state = None
-        self._lock = None
+        self._run_state = self._lock = None
         self._writer = None  # the thread writing the last backup
         self._write_error = None
         self._reader = None  # (variables' ids, the function reading them all)
@@ -293,7 +293,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._history = checkpoint.get("history") or {}
         self.restored_history = {k: list(v) for k, v in self._history.items()}
         # Keras' own loop reads this after on_train_begin; so do keras_dist's.
-        model._initial_epoch = checkpoint["epoch"]
+        _compat.set_initial_epoch(model, checkpoint["epoch"])
         if own_loop:
             metrics = []
             if step:
@@ -456,7 +456,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 shutil.rmtree(os.path.join(self.backup_dir, name), ignore_errors=True)
 
     def on_train_end(self, logs=None):
-        self.model._initial_epoch = None  # Keras would reuse it in the next fit
+        _compat.set_initial_epoch(self.model, None)  # Keras would reuse it in the next fit
         self._restore_signals()
         self.wait_for_writes()
         if self.delete_checkpoint and self._chief:

@@ -33,6 +33,14 @@ class StragglerError(RuntimeError):
     """
 
 
+def _check(name, value, types, valid, rule):
+    """Refuses the argument `name` unless `value` is of `types` (a bool is
+    not a number here) and `valid(value)`; `rule` says what it must be."""
+    if isinstance(value, bool) or not isinstance(value, types) or not valid(value):
+        raise ValueError(
+            f"StragglerDetector: `{name}` must be {rule}. Received: {name}={value!r}.")
+
+
 class StragglerDetector(ReplicaCallback):
     """Flags the workers (or replicas) that cost the job a share of its time.
 
@@ -138,37 +146,23 @@ class StragglerDetector(ReplicaCallback):
     def __init__(self, window=100, threshold=0.2, action="warn", min_steps=None,
                  recovery=None, min_gap=0.001):
         super().__init__()
-        if isinstance(window, bool) or not isinstance(window, int) or window < 2:
-            raise ValueError(
-                f"StragglerDetector: `window` must be an integer >= 2 (steps in "
-                f"the rolling window). Received: window={window!r}.")
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) \
-                or not 0.0 < threshold < 1.0:
-            raise ValueError(
-                "StragglerDetector: `threshold` must be a number strictly between "
-                "0 and 1: the share of the job's time a worker must cost to be "
-                f"flagged (0.2 is the default). Received: threshold={threshold!r}.")
+        _check("window", window, int, lambda v: v >= 2,
+               "an integer >= 2 (steps in the rolling window)")
+        _check("threshold", threshold, (int, float), lambda v: 0.0 < v < 1.0,
+               "a number strictly between 0 and 1: the share of the job's time a worker "
+               "must cost to be flagged (0.2 is the default)")
         if not (callable(action) or action in ("warn", "raise")):
             raise ValueError(
                 "StragglerDetector: `action` must be 'warn', 'raise' or a callable "
                 f"action(worker, cost, logs). Received: action={action!r}.")
         min_steps = window if min_steps is None else min_steps
-        if isinstance(min_steps, bool) or not isinstance(min_steps, int) \
-                or not 2 <= min_steps <= window:
-            raise ValueError(
-                f"StragglerDetector: `min_steps` must be an integer in [2, window={window}]. "
-                f"Received: min_steps={min_steps!r}.")
+        _check("min_steps", min_steps, int, lambda v: 2 <= v <= window,
+               f"an integer in [2, window={window}]")
         recovery = threshold / 2.0 if recovery is None else recovery
-        if isinstance(recovery, bool) or not isinstance(recovery, (int, float)) \
-                or not 0.0 <= recovery < threshold:
-            raise ValueError(
-                f"StragglerDetector: `recovery` must be a number in [0, threshold="
-                f"{threshold!r}). Received: recovery={recovery!r}.")
-        if isinstance(min_gap, bool) or not isinstance(min_gap, (int, float)) \
-                or not min_gap >= 0:
-            raise ValueError(
-                "StragglerDetector: `min_gap` must be a number of seconds >= 0. "
-                f"Received: min_gap={min_gap!r}.")
+        _check("recovery", recovery, (int, float), lambda v: 0.0 <= v < threshold,
+               f"a number in [0, threshold={threshold!r})")
+        _check("min_gap", min_gap, (int, float), lambda v: v >= 0,
+               "a number of seconds >= 0")
         self.window, self.threshold, self.action = window, float(threshold), action
         self.min_steps, self.recovery, self.min_gap = min_steps, float(recovery), float(min_gap)
         self._clock = time.perf_counter  # the wall clock of this process

@@ -54,10 +54,3 @@ def bring_up_loopback():
         flags = struct.unpack("16sh", fcntl.ioctl(sock, _SIOCGIFFLAGS, request))[1]
         fcntl.ioctl(sock, _SIOCSIFFLAGS, struct.pack("16sh", b"lo", flags | _IFF_UP))
 
-
-def in_private_namespace():
-    """Whether this process's network namespace differs from PID 1's."""
-    try:
-        return os.readlink("/proc/self/ns/net") != os.readlink("/proc/1/ns/net")
-    except OSError:
-        return False

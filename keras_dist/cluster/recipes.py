@@ -30,6 +30,11 @@ import re
 import shlex
 import textwrap
 
+# Plain Python, without TensorFlow: the one name for the roles' variable, and
+# the rank order `ClusterConfig.from_slurm` reads the roles with.
+from keras_dist.cluster.config import SLURM_JOBS_ENV
+from keras_dist.cluster.slurm import role_ranks
+
 __all__ = ["add_arguments", "emit_from_args", "slurm", "tfjob"]
 
 FORMATS = ("tfjob", "slurm")
@@ -40,10 +45,6 @@ DEFAULT_PORT = 2222
 
 SLURM_PORT = 8888
 """First port on each node under SLURM (`ClusterConfig.from_slurm` default)."""
-
-SLURM_JOBS_ENV = "KERAS_DIST_SLURM_JOBS"
-"""The variable naming the roles of a SLURM step (`keras_dist.cluster.config`'s
-`SLURM_JOBS_ENV`, repeated here so this module needs no TensorFlow)."""
 
 SLURM_WAIT = 60
 """With `ps`: seconds `srun --wait` lets the other tasks run once one exits."""
@@ -582,23 +583,18 @@ def _slurm(command, workers, ps, evaluator, name, time, partition, tasks_per_nod
 
 
 def _slurm_ranks(counts):
-    """Which ranks each role gets (`ClusterConfig.from_slurm`'s order).
-
-    It takes the roles in `sorted()` order of their names and gives each the
-    next `count` ranks, e.g. `rank 0 is the chief, ranks 1-2 are workers 0-1`.
-    """
-    parts, rank = [], 0
-    for role in sorted(counts):
-        n = counts[role]
-        if not n:
-            continue
+    """Which ranks each role gets, in words (`ClusterConfig.from_slurm`'s
+    order, `keras_dist.cluster.slurm.role_ranks`), e.g. `rank 0 is the
+    chief, ranks 1-2 are workers 0-1`."""
+    parts = []
+    for role, ranks in role_ranks(counts).items():
+        n = len(ranks)
         if n == 1:
             who = f"the {role}" if role in ("chief", "evaluator") else f"{role} 0"
-            parts.append(f"rank {rank} is {who}")
-        else:
+            parts.append(f"rank {ranks.start} is {who}")
+        elif n:
             plural = role if role == "ps" else role + "s"
-            parts.append(f"ranks {rank}-{rank + n - 1} are {plural} 0-{n - 1}")
-        rank += n
+            parts.append(f"ranks {ranks.start}-{ranks[-1]} are {plural} 0-{n - 1}")
     return ", ".join(parts)
 
 

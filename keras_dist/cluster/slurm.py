@@ -36,11 +36,9 @@ def expand_hostlist(text, name="SLURM_STEP_NODELIST"):
             hosts.append(prefix + suffix)
             continue
         for item in ranges.split(","):
-            numbers = _RANGE.match(item.strip())
-            if numbers is None:
-                raise ValueError(
-                    f"{name}={text!r} has a bad range {item!r} in {part!r}. "
-                    "Expected numbers or ranges like '[1-4,7]'.")
+            numbers = _match(_RANGE, item, name, text,
+                             f"has a bad range {item!r} in {part!r}. Expected numbers or "
+                             "ranges like '[1-4,7]'.")
             first, last = numbers.group(1), numbers.group(2) or numbers.group(1)
             if int(last) < int(first):
                 raise ValueError(
@@ -75,15 +73,21 @@ def _split_outside_brackets(text, name):
     return parts
 
 
+def _match(pattern, item, name, text, problem):
+    """`pattern.match(item)` (stripped), or a `ValueError`: `name=text problem`."""
+    match = pattern.match(item.strip())
+    if match is None:
+        raise ValueError(f"{name}={text!r} {problem}")
+    return match
+
+
 def expand_tasks_per_node(text, name="SLURM_STEP_TASKS_PER_NODE"):
     """`'2(x3),1'` -> `[2, 2, 2, 1]`."""
     counts = []
     for part in text.strip().split(","):
-        match = _REPEAT.match(part.strip())
-        if match is None:
-            raise ValueError(
-                f"{name}={text!r} is not a SLURM tasks-per-node list: cannot "
-                f"read {part!r}. Expected counts like '2(x3),1'.")
+        match = _match(_REPEAT, part, name, text,
+                       f"is not a SLURM tasks-per-node list: cannot read {part!r}. "
+                       "Expected counts like '2(x3),1'.")
         counts.extend([int(match.group(1))] * int(match.group(2) or 1))
     return counts
 

@@ -17,6 +17,7 @@ import logging
 import keras
 import tensorflow as tf
 
+from keras_dist import _compat
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 from keras_dist.cluster import plain_fit
 from keras_dist.cluster.serving import serve
@@ -165,10 +166,9 @@ def train(model, plan, x=None, y=None, keras_fit=None, **fit_kwargs):
             model = history.model
             # Keras' own evaluate / predict fail where its fit does: the model's
             # are keras_dist's from now on (`kd.evaluate`, `kd.predict`).
-            model.__dict__["evaluate"] = functools.partial(evaluate, model,
-                                                           strategy=plan.strategy)
-            model.__dict__["predict"] = functools.partial(predict, model,
-                                                          strategy=plan.strategy)
+            _compat.override(model, evaluate=functools.partial(evaluate, model,
+                                                               strategy=plan.strategy),
+                             predict=functools.partial(predict, model, strategy=plan.strategy))
         else:
             if is_dataset_fn(x):
                 x = plan.strategy.distribute_datasets_from_function(x)
@@ -205,10 +205,14 @@ def evaluate(model, x=None, y=None, *, strategy=None, **evaluate_kwargs):
 
     >>> import numpy as np, keras, keras_dist as kd
     >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
-    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
     >>> loss = kd.evaluate(model, np.ones((8, 4)), np.ones((8, 1)), verbose=0)
-    >>> isinstance(loss, float)
+    >>> isinstance(loss, list)  # the loss and the metric
     True
+    >>> logs = kd.evaluate(model, np.ones((8, 4)), np.ones((8, 1)), verbose=0,
+    ...                    return_dict=True)
+    >>> sorted(logs)
+    ['loss', 'mae']
     """
     dist = strategy or model.distribute_strategy
     if isinstance(dist, tf.distribute.ParameterServerStrategy):

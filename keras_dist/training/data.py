@@ -22,6 +22,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_dist import _compat
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 
 DEFAULT_BATCH_SIZE = 32
@@ -118,18 +119,7 @@ def from_arrays(x, y=None, sample_weight=None, *, batch_size=None, shuffle=True,
         dataset = dataset.shuffle(n, seed=seed, reshuffle_each_iteration=True)
     if repeat:
         dataset = dataset.repeat()
-    dataset = dataset.batch(batch_size or DEFAULT_BATCH_SIZE)
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = (
-        tf.data.experimental.AutoShardPolicy.DATA)
-    # Nothing here to tune (no parallel map, no prefetch of ours), and
-    # tf.data's autotuning thread makes deleting an iterator of this dataset
-    # wait for its next wake-up (the period doubles up to a minute): under
-    # MultiWorkerMirroredStrategy each epoch's iterator then took up to
-    # seconds to let go, and 17 short fits in a row spent most of their time
-    # idle (benchmarks/iterator_release.py).
-    options.autotune.enabled = False
-    return dataset.with_options(options)
+    return _shardable(dataset.batch(batch_size or DEFAULT_BATCH_SIZE))
 
 
 def _training_arrays(x, y, sample_weight, class_weight):
@@ -231,13 +221,8 @@ def epoch_stream(x, y=None, sample_weight=None, *, batch_size=None, shuffle=True
         per_epoch = math.ceil(n / batch_size)
         stream = stream.apply(tf.data.experimental.assert_cardinality(
             max(0, per_epoch * epochs - skip)))
-    stream = stream.map(lambda idx: tf.nest.map_structure(
-        lambda a: tf.gather(a, idx), tensors))
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = (
-        tf.data.experimental.AutoShardPolicy.DATA)
-    options.autotune.enabled = False  # see from_arrays
-    return stream.with_options(options)
+    return _shardable(stream.map(lambda idx: tf.nest.map_structure(
+        lambda a: tf.gather(a, idx), tensors)))
 
 
 class _Releaser:
@@ -545,7 +530,7 @@ def distribute(strategy, x, y=None, sample_weight=None, *, batch_size=None,
             local = x
             sample = lambda: first_batch(x)  # noqa: E731
         else:  # a generator or a PyDataset, read by Keras' own data adapter
-            adapter = _keras_adapter(x, class_weight=class_weight, shuffle=shuffle)
+            adapter = _compat.keras_data_adapter(x, class_weight=class_weight, shuffle=shuffle)
             if kind == "py_dataset" and adapter.num_batches is None and steps is None:
                 raise ValueError(
                     f"`{what}` is a PyDataset without an end (`num_batches` is None); "
@@ -687,8 +672,16 @@ def _cardinality(dataset):
 
 
 def _shardable(dataset):
-    """`dataset` with the options keras_dist's own pipelines have (see
-    `from_arrays`): sharded by data across workers, no autotuning."""
+    """`dataset` with the options of keras_dist's own pipelines: sharded by
+    data across workers, and no autotuning.
+
+    Nothing in them to tune (no parallel map, no prefetch of ours), and
+    tf.data's autotuning thread makes deleting an iterator of such a dataset
+    wait for its next wake-up (the period doubles up to a minute): under
+    MultiWorkerMirroredStrategy each epoch's iterator then took up to
+    seconds to let go, and 17 short fits in a row spent most of their time
+    idle (benchmarks/iterator_release.py).
+    """
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = (
         tf.data.experimental.AutoShardPolicy.DATA)
@@ -711,20 +704,6 @@ def _owned(dataset):
     if isinstance(dataset.element_spec, tuple):
         return dataset.map(lambda *batch: tuple(tf.nest.map_structure(copy, batch)))
     return dataset.map(lambda batch: tf.nest.map_structure(copy, batch))
-
-
-def _keras_adapter(x, *, class_weight, shuffle):
-    """Keras' own data adapter of a generator or `PyDataset` (what
-    `keras.Model.fit(x)` reads it with: batches, order, class weights,
-    workers, epoch hooks).
-
-    Keras has no public API for its data adapters; this is the one place
-    keras_dist imports them (`keras.src.trainers.data_adapters`,
-    `get_data_adapter`, unchanged from Keras 3.0 to 3.15).
-    """
-    from keras.src.trainers import data_adapters
-
-    return data_adapters.get_data_adapter(x, class_weight=class_weight, shuffle=shuffle)
 
 
 def _adapter_sample(x, adapter, kind):

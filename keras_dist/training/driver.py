@@ -33,6 +33,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_dist import _compat
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 from keras_dist.training import compiled
 from keras_dist.training import data as data_lib
@@ -255,7 +256,7 @@ def fit(executor, x=None, y=None, *, batch_size=None, epochs=1,
     finally:
         model.__dict__.pop("_kd_loop", None)
     # Set by a restoring callback (BackupAndRestore), as Keras' own loop reads it.
-    initial_epoch = getattr(model, "_initial_epoch", None) or initial_epoch
+    initial_epoch = _compat.initial_epoch(model) or initial_epoch
     # Where a restored backup stands: step and metric state within the epoch.
     resume = model.__dict__.pop("_kd_resume", None)
     if resume is not None:
@@ -427,8 +428,7 @@ def build_for_training(model, strategy, sample_batch, build_optimizer=True):
         # multi-output model are not among `model.metrics`.)
         unbuilt = not model.built or any(
             not getattr(m, "built", True)
-            for m in [*model.metrics, getattr(model, "_compile_loss", None),
-                      getattr(model, "_compile_metrics", None)] if m is not None)
+            for m in [*model.metrics, *_compat.compiled_loss_and_metrics(model)])
         if unbuilt:
             x, y, sample_weight = keras_lib.utils.unpack_x_y_sample_weight(sample_batch)
             y_pred = model(x, training=False)

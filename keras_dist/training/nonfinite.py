@@ -28,6 +28,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_dist import _compat
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 from keras_dist.training import update
 
@@ -39,7 +40,7 @@ def finite_loss_only(model, mode="skip"):
     mode changes nothing). With a finite loss it adds exactly what Keras
     adds."""
     tracker = _loss_tracker(model) if mode == "skip" else None
-    if tracker is None or "update_state" in tracker.__dict__:
+    if tracker is None or _compat.overrides(tracker, "update_state"):
         yield
         return
     original = tracker.update_state
@@ -54,11 +55,11 @@ def finite_loss_only(model, mode="skip"):
         sample_weight = sample_weight * tf.cast(finite, sample_weight.dtype)
         return original(values, sample_weight=sample_weight)
 
-    tracker.__dict__["update_state"] = update_state
+    _compat.override(tracker, update_state=update_state)
     try:
         yield
     finally:
-        tracker.__dict__.pop("update_state", None)
+        _compat.drop_override(tracker, "update_state")
 
 
 def judge_epoch(model, logs, mode, callbacks, epoch):
@@ -174,7 +175,7 @@ def keras_loop(model, mode, fit, *args, **kwargs):
         logs.set_model(model)
     else:
         callbacks = [logs, *(callbacks or [])]
-    model.__dict__["train_step"] = train_step
+    _compat.override(model, train_step=train_step)
     model.train_function = None  # traced afresh, with the guard
     try:
         with update.intercept_apply(optimizer):
@@ -183,5 +184,5 @@ def keras_loop(model, mode, fit, *args, **kwargs):
         update.raise_if_nonfinite(error, logs.epoch)
         raise
     finally:
-        model.__dict__.pop("train_step", None)
+        _compat.drop_override(model, "train_step")
         model.train_function = None  # Keras' own fit traces its own step again

@@ -46,15 +46,15 @@ its shard's parameter server with that shard of every slot, as TF colocates
 an unsharded variable's update with it: only the gradient travels. Other
 optimizers (and weight decay, EMA, gradient accumulation) update the whole
 variable on the worker, reading and writing each shard where it lives
-(`ShardedVariable.assign_*`): exact as well, with more traffic. Private names it relies on, all here and nowhere else: the strategy's
-`extended._create_variable` (the creator the strategy's scope calls),
-`tf.__internal__.distribute.ShardedVariable` and `tf.__internal__.CompositeTensor`
-(with TF's `__composite_gradient__` protocol), a `ShardedVariable`'s
-`_type_spec`; on Keras' side a variable's `_value`, an `Embedding`'s
-`_embeddings`, `Layer._flatten_layers`, and the TF optimizer's
-`_distributed_tf_update_step`, `_get_variable_index`, `_var_key` and
-`_trainable_variables_indices`. tests/test_sharded.py exercises each path
-against Keras' own results, so a change in either library shows there.
+(`ShardedVariable.assign_*`): exact as well, with more traffic.
+
+This module is the adapter; the private TF and Keras names it needs (the
+`ShardedVariable` type, the composite-gradient protocol, the strategy's
+variable creator, a Keras variable's backing variable, Keras' nested layers
+and the TF optimizer's per-distribution update and slot index) are each
+reached through `keras_dist._compat`, which says why each has no public
+route. tests/test_sharded.py exercises each path against Keras' own results,
+so a change in either library shows there.
 
 Saving reads the shards together (`numpy()`), so `.keras` files and
 `save_weights` files hold whole tensors, and loading splits them again:
@@ -73,10 +73,11 @@ import functools
 import keras
 import tensorflow as tf
 
+from keras_dist import _compat
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 from keras_dist.training import update
 
-ShardedVariable = tf.__internal__.distribute.ShardedVariable
+ShardedVariable = _compat.ShardedVariable
 
 
 def is_sharded(variable):
@@ -89,8 +90,7 @@ def is_sharded(variable):
     >>> kd.sharded.is_sharded(keras.Variable(np.zeros((3, 2))))
     False
     """
-    value = getattr(variable, "_value", variable) if isinstance(variable, keras.Variable) else variable
-    return isinstance(value, ShardedVariable)
+    return isinstance(_compat.backend_variable(variable), ShardedVariable)
 
 
 def shards(variable):
@@ -103,7 +103,7 @@ def shards(variable):
     >>> len(kd.sharded.shards(keras.Variable(np.zeros((5, 2)))))
     1
     """
-    value = variable._value if isinstance(variable, keras.Variable) else variable
+    value = _compat.backend_variable(variable)
     if not isinstance(value, ShardedVariable):
         return [value]
     return list(value.variables)
@@ -154,32 +154,15 @@ class _ShardedGradient:
         return tf.concat(grads, axis=0)
 
 
-class _ShardedHandle(tf.__internal__.CompositeTensor):
+class _ShardedHandle(_compat.CompositeHandle, gradient=_ShardedGradient()):
     """What `tape.gradient` sees as a sharded variable's handle: the shards'
     handles, with the gradient protocol above."""
-
-    __composite_gradient__ = _ShardedGradient()
-
-    def __init__(self, variable):
-        self.variable = variable
-
-    @property
-    def _type_spec(self):
-        return self.variable._type_spec
-
-    @property
-    def dtype(self):
-        return self.variable.dtype
-
-    @property
-    def shape(self):
-        return self.variable.shape
 
 
 def mark(variable):
     """Lets Keras use one `ShardedVariable`: a gradient `handle`,
     `read_value()` and `__array__` (instance attributes). Idempotent."""
-    if "handle" in variable.__dict__:
+    if _compat.overrides(variable, "handle"):
         return variable
 
     def read_value():
@@ -189,9 +172,8 @@ def mark(variable):
         array = variable.numpy()
         return array if dtype is None else array.astype(dtype)
 
-    variable.__dict__.update(handle=_ShardedHandle(variable), read_value=read_value,
-                             __array__=to_array)
-    return variable
+    return _compat.override(variable, handle=_ShardedHandle(variable), read_value=read_value,
+                            __array__=to_array)
 
 
 def install(strategy):
@@ -208,10 +190,10 @@ def install(strategy):
     True
     """
     extended = strategy.extended
-    if extended.__dict__.get("_kd_sharded"):
+    if _compat.overrides(extended, "_kd_sharded"):
         return strategy
     update, colocate, create = (extended.update, extended.colocate_vars_with,
-                                extended._create_variable)
+                                _compat.strategy_variable_creator(extended))
 
     def update_sharded(var, fn, args=(), kwargs=None, group=True):
         if isinstance(var, ShardedVariable):
@@ -232,8 +214,9 @@ def install(strategy):
             mark(variable)
         return variable
 
-    extended.__dict__.update(update=update_sharded, colocate_vars_with=colocate_sharded,
-                             _create_variable=create_marked, _kd_sharded=True)
+    _compat.set_strategy_variable_creator(extended, create_marked)
+    _compat.override(extended, update=update_sharded, colocate_vars_with=colocate_sharded,
+                     _kd_sharded=True)
     return strategy
 
 
@@ -290,24 +273,24 @@ def prepare(model):
     paths = []
     for variable in model.variables:
         if is_sharded(variable):
-            mark(variable._value)
+            mark(_compat.backend_variable(variable))
             paths.append(variable.path)
     optimizer = getattr(model, "optimizer", None)
     for variable in (optimizer.variables if optimizer is not None else ()):
         if is_sharded(variable):
-            mark(variable._value)
+            mark(_compat.backend_variable(variable))
     for candidate in update.optimizer_chain(optimizer):
-        if type(candidate) in _ELEMENTWISE and "_distributed_tf_update_step" not in candidate.__dict__:
-            candidate.__dict__["_distributed_tf_update_step"] = functools.partial(
-                _update_step_per_shard, candidate,
-                type(candidate)._distributed_tf_update_step.__get__(candidate))
-    for layer in model._flatten_layers(include_self=False):
+        if type(candidate) in _ELEMENTWISE:
+            _compat.override_distributed_update_step(
+                candidate, lambda original, candidate=candidate: functools.partial(
+                    _update_step_per_shard, candidate, original))
+    for layer in _compat.sublayers(model):
         if (type(layer).call is keras.layers.Embedding.call
-                and getattr(layer, "_embeddings", None) is not None
                 and not getattr(layer, "lora_enabled", False)
                 and not getattr(layer, "quantization_mode", None)
-                and "call" not in layer.__dict__):
-            object.__setattr__(layer, "call", functools.partial(_embedding_call, layer))
+                and getattr(layer, "embeddings", None) is not None  # built
+                and not _compat.overrides(layer, "call")):
+            _compat.override(layer, call=functools.partial(_embedding_call, layer))
     return paths
 
 
@@ -315,7 +298,7 @@ def _embedding_call(layer, inputs):
     """`keras.layers.Embedding.call` reading only the rows asked for (from
     each shard of a sharded table): the same result as Keras' `ops.take`,
     negative ids counted from the end."""
-    table = layer._embeddings.value
+    table = layer.embeddings.value
     if isinstance(table, ShardedVariable):
         params = list(table.variables)
     elif isinstance(table, tf.Variable):
@@ -360,7 +343,6 @@ def _update_step_per_shard(optimizer, original, distribution, grads_and_vars, le
 
 
 def _update_shards(optimizer, grad, var, learning_rate):
-    index = optimizer._get_variable_index(var)
     offsets = row_offsets(var)
     # The slots sharded like `var` (other variables' slots with the same
     # layout too: `update_step` reads only this variable's).
@@ -368,16 +350,16 @@ def _update_shards(optimizer, grad, var, learning_rate):
              if is_sharded(v) and row_offsets(v) == offsets and v.shape == var.shape]
     parts = _split_gradient(grad, offsets, var.variables)
     for i, (shard, part) in enumerate(zip(var.variables, parts)):
-        optimizer._trainable_variables_indices[optimizer._var_key(shard)] = index
-        whole = [slot._value for slot in slots]
+        _compat.alias_optimizer_variable(optimizer, var, shard)
+        whole = [_compat.backend_variable(slot) for slot in slots]
         try:
-            for slot in slots:
-                slot._value = slot._value.variables[i]
+            for slot, value in zip(slots, whole):
+                _compat.set_backend_variable(slot, value.variables[i])
             with tf.device(shard.device):
                 optimizer.update_step(part, shard, learning_rate)
         finally:
             for slot, value in zip(slots, whole):
-                slot._value = value
+                _compat.set_backend_variable(slot, value)
 
 
 def _split_gradient(grad, offsets, parts):

@@ -64,10 +64,6 @@ class VersionCounter:
         self.variable = tf.Variable(
             0, dtype=tf.int64, trainable=False, name=name,
             aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
-        self.skipped = tf.Variable(
-            0, dtype=tf.int64, trainable=False, name=name + "_skipped_nonfinite",
-            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
-        """Updates skipped because their gradients were not finite."""
 
     def read(self):
         """The current version (a scalar int64 tensor)."""
@@ -94,20 +90,10 @@ class VersionCounter:
         with tf.device(self.variable.device):
             return new - 1 - read
 
-    def count_skipped(self):
-        """Atomically counts one skipped update; returns a true bool tensor."""
-        with tf.control_dependencies([self.skipped.assign_add(1)]):
-            return tf.constant(False)
-
     @property
     def value(self):
         """The current version as a Python int (reads the parameter server)."""
         return int(self.variable.numpy())
-
-    @property
-    def skipped_value(self):
-        """Skipped non-finite updates so far, as a Python int."""
-        return int(self.skipped.numpy())
 
 
 @dataclasses.dataclass
