@@ -164,8 +164,9 @@ def strategy_from_flags(flag_values=FLAGS, *, cluster=None):
     >>> from absl import flags
     >>> from keras_dist import flags as kd_flags
     >>> fv = flags.FlagValues()
-    >>> _ = kd_flags.define_flags(fv)
-    >>> _ = fv(["train.py", "--strategy=default"])
+    >>> _ = kd_flags.define_flags(fv, staleness=False, local_steps=False)
+    >>> fv.mark_as_parsed()   # or parse argv: fv(["train.py", "--strategy=default"])
+    >>> fv.strategy = "default"
     >>> kd_flags.strategy_from_flags(fv).num_replicas_in_sync
     1
 
@@ -265,8 +266,8 @@ def fit_kwargs(flag_values=FLAGS, *, strategy=None, cluster=None, callbacks=None
     >>> from absl import flags
     >>> from keras_dist import flags as kd_flags
     >>> fv = flags.FlagValues()
-    >>> _ = kd_flags.define_flags(fv)
-    >>> _ = fv(["train.py"])
+    >>> _ = kd_flags.define_flags(fv, backup=False)
+    >>> _ = fv(["train.py"])   # every flag at its default
     >>> kd_flags.fit_kwargs(fv)
     {'strategy': 'auto', 'local_steps': 1, 'callbacks': []}
 

@@ -113,7 +113,8 @@ class BackupAndRestore(keras.callbacks.Callback):
     >>> import tempfile, numpy as np, keras, keras_dist as kd
     >>> backup = tempfile.mkdtemp()
     >>> def build():
-    ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    ...     inputs = keras.Input((4,))
+    ...     model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
     ...     model.compile(optimizer="sgd", loss="mse")
     ...     return model
     >>> x, y = np.ones((32, 4)), np.ones((32, 1))

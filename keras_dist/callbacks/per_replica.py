@@ -88,9 +88,9 @@ class PerReplicaMetrics(ReplicaCallback):
     Example:
 
     >>> import numpy as np, keras, keras_dist as kd
-    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
-    >>> model.compile(optimizer="sgd", loss="mse")
     >>> metrics = kd.callbacks.PerReplicaMetrics(table=False)
+    >>> model = keras.Sequential([keras.layers.Dense(1)])
+    >>> model.compile("sgd", "mse")
     >>> history = model.fit(np.ones((64, 4)), np.ones((64, 1)), batch_size=16,
     ...                     epochs=2, verbose=0, callbacks=[metrics])
     >>> history.history["replica0/updates"]

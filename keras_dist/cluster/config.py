@@ -225,12 +225,12 @@ class ClusterConfig:
             text: String. The JSON text of `TF_CONFIG`.
 
         Returns:
-            A validated `ClusterConfig`.
+            The `ClusterConfig` the JSON describes, validated.
 
         Example:
 
-        >>> import keras_dist as kd
-        >>> kd.ClusterConfig.from_tf_config(
+        >>> from keras_dist import ClusterConfig
+        >>> ClusterConfig.from_tf_config(
         ...     '{"cluster": {"worker": ["localhost:2222"]},'
         ...     ' "task": {"type": "worker", "index": 0}}').task_type
         'worker'
@@ -279,7 +279,7 @@ class ClusterConfig:
                 `os.environ`.
 
         Returns:
-            A validated `ClusterConfig`.
+            This SLURM task's `ClusterConfig`, validated.
 
         Example:
 

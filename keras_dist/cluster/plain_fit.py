@@ -64,8 +64,8 @@ def local_fit():
     Example:
 
     >>> import numpy as np, keras, keras_dist as kd
-    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> model = keras.Sequential([keras.layers.Dense(1)])
+    >>> model.compile(loss="mse")   # Keras' default optimizer
     >>> with kd.local_fit():
     ...     history = model.fit(np.ones((8, 2)), np.ones((8, 1)), verbose=0)
     >>> len(history.history["loss"])

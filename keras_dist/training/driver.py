@@ -167,16 +167,22 @@ class Executor(abc.ABC):
         """Frees what training held (threads, probes), however it ended."""
 
 
+def _batch_ends(events, on_batch_begin):
+    """An executor's `BatchEnd` events; each `BatchBegin` goes to `on_batch_begin`."""
+    for event in events:
+        if isinstance(event, BatchBegin):
+            on_batch_begin(event.batch)
+        else:
+            yield event
+
+
 def run_evaluation(executor, eval_input, callbacks):
     """One evaluation pass: Keras' test hooks around the executor's
     `test_epoch` events (executors call no callback themselves). Returns
     Keras' logs: the metrics' results, else the last batch's."""
     callbacks.on_test_begin()
     logs = {}
-    for event in executor.test_epoch(eval_input):
-        if isinstance(event, BatchBegin):
-            callbacks.on_test_batch_begin(event.batch)
-            continue
+    for event in _batch_ends(executor.test_epoch(eval_input), callbacks.on_test_batch_begin):
         logs = event.logs
         callbacks.on_test_batch_end(event.batch, logs)
     logs = metrics_or_logs(executor.model, logs)
@@ -274,10 +280,8 @@ def fit(executor, x=None, y=None, *, batch_size=None, epochs=1,
                 logs = None
             resume = None
             callbacks.on_epoch_begin(epoch)
-            for event in executor.train_epoch(train):
-                if isinstance(event, BatchBegin):
-                    callbacks.on_train_batch_begin(event.batch)
-                    continue
+            for event in _batch_ends(executor.train_epoch(train),
+                                     callbacks.on_train_batch_begin):
                 logs = event.logs
                 if event.replica_steps:
                     replica_cbs.feed(watchers, event.batch, event.replica_steps)
@@ -450,10 +454,11 @@ def metric_state(model):
 def assign_metric_state(model, values):
     """Writes `metric_state` values back; a count mismatch is refused."""
     variables = model.metrics_variables
-    if len(values) != len(variables):
+    held, have = len(values), len(variables)
+    if held != have:
         raise ValueError(
-            f"The backup holds the state of {len(values)} metric variables; this model's "
-            f"metrics have {len(variables)}. Compile the model with the metrics it was "
+            f"The backup holds the state of {held} metric variables; this model's "
+            f"metrics have {have}. Compile the model with the metrics it was "
             "backed up with.")
     for variable, value in zip(variables, values):
         variable.assign(value)

@@ -218,11 +218,8 @@ class _StepFunctions:
 
     def __init__(self, model, strategy, step, instrument=False, train=False):
         self.model, self._strategy, self._step = model, strategy, step
-        self._functions = {}
-        self._instrument = instrument
-        self._probe = None
-        self._stalled = 0.0
-        self._train = train
+        self._functions, self._instrument, self._train = {}, instrument, train
+        self._probe, self._stalled = None, 0.0  # the stall probe, for one fit (`open`)
         self.ran_out = False
 
     def open(self):
