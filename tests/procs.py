@@ -22,6 +22,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ASYNC_LEARNS = 0.85
 
 
+def run_script(tmp_path, script, *args, ps=1, timeout=300):
+    """Runs tests/scripts/<script> under `keras-dist-run --workers 2 --ps <ps>`
+    (out_dir `tmp_path`, then `args`); returns the chief's result.json and the
+    launcher's output, or fails with that output."""
+    cmd = [sys.executable, "-m", "keras_dist.cluster.launch", "--workers", "2", "--ps", str(ps),
+           "--", sys.executable, f"tests/scripts/{script}", str(tmp_path), *args]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    with open(tmp_path / "result.json") as f:
+        return json.load(f), proc.stdout
+
+
 class ProcessGroup:
     """Starts `python script args` once per task and reaps them all."""
 
