@@ -1,4 +1,5 @@
-"""Real processes for tests: start with TF_CONFIG, always clean up.
+"""Real processes for tests: start with TF_CONFIG, always clean up; and
+the digits model they (and in-process tests) train, `digits_model`.
 
 Each process gets its own session (process group) so a test can kill it and
 anything it started; `ProcessGroup` is a context manager that does so on any
@@ -20,6 +21,36 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # TF 2.16 ended at 0.894 and 0.897 against the old 0.90 bar. Exactness is
 # checked by counts (every update applied once), not by this bar.
 ASYNC_LEARNS = 0.85
+
+
+def digits_model(optimizer, hidden=64, metrics=("accuracy",), cls=None, seed=None,
+                 steps_per_execution=1):
+    """The digits MLP (keras_dist.datasets.load_digits' 64 features, a ReLU
+    layer of `hidden` units, 10 softmax outputs), compiled with `optimizer`,
+    sparse categorical cross-entropy, `metrics` (None: none) and
+    `steps_per_execution`.
+
+    `cls=None` builds a `keras.Sequential`; a class (`keras.Model`,
+    `kd.AsyncModel`, a subclass of either) builds it functionally,
+    `cls(inputs, outputs)`. With `seed`, `keras.utils.set_random_seed(seed)`
+    comes first: the same seed, the same initial weights. Keras is imported
+    here, not with this module: scripts import it before their strategy.
+    """
+    import keras
+
+    if seed is not None:
+        keras.utils.set_random_seed(seed)
+    if cls is None:
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(hidden, activation="relu"),
+                                  keras.layers.Dense(10, activation="softmax")])
+    else:
+        inputs = keras.Input((64,))
+        features = keras.layers.Dense(hidden, activation="relu")(inputs)
+        model = cls(inputs, keras.layers.Dense(10, activation="softmax")(features))
+    model.compile(optimizer, "sparse_categorical_crossentropy",
+                  metrics=list(metrics) if metrics else None,
+                  steps_per_execution=steps_per_execution)
+    return model
 
 
 def run_script(tmp_path, script, *args, ps=1, timeout=300):
