@@ -15,6 +15,10 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# The two logical CPUs tests/conftest.py makes of the host's one (a
+# MirroredStrategy over them has 2 replicas).
+CPUS = ["/cpu:0", "/cpu:1"]
+
 # The test accuracy an asynchronous digits run must reach to show it learns
 # (chance: 0.10). Which worker applies which update when is not
 # deterministic: runs usually end at 0.93-0.96, and fresh-clone CI runs on

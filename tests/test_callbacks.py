@@ -18,8 +18,7 @@ import tensorflow as tf
 import keras_dist as kd
 from keras_dist.callbacks import ReplicaStep, StragglerDetector, StragglerError
 from keras_dist.datasets import load_digits
-from conftest import CPUS
-from procs import digits_model
+from procs import CPUS, digits_model
 
 
 class Clock:

@@ -13,13 +13,11 @@ import json
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import keras_dist as kd
-from conftest import CPUS
 from equivalence_cases import CASES, build, fit_arguments, largest_difference, reference
 from keras_dist import ClusterConfig
-from procs import ProcessGroup
+from procs import CPUS, ProcessGroup
 
 TOLERANCE = 1e-5
 
