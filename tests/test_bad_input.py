@@ -165,6 +165,7 @@ LAUNCHER = {
 }
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("name", sorted(LAUNCHER))
 def test_launcher_input(name):
@@ -180,6 +181,7 @@ def test_catalogue_has_at_least_twenty_distinct_messages():
     json.dumps(messages)  # plain data, printable in a report
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_mismatched_input_shapes_across_workers_fail_fast_without_a_hang():
     """Worker 1 feeds 32 features to a 64-feature model while worker 0 waits

@@ -140,6 +140,7 @@ def test_module_imports_neither_tensorflow_nor_keras():
         "define_flags", "fit_kwargs", "strategy_from_flags", "wrap_optimizer"]
 
 
+@pytest.mark.multiprocess
 def test_no_tensor_before_the_strategy():
     # MultiWorkerMirrored must be created before TF's runtime starts: importing,
     # defining, parsing and fit_kwargs (callbacks) must not start it.
