@@ -110,23 +110,48 @@ class ProcessGroup:
         return "\n".join(out)
 
     def kill_all(self):
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for proc in self.procs.values():
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
+        kill_groups(self.procs.values())
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.kill_all()
+
+
+def kill_groups(procs):
+    """SIGKILLs the process group of each of `procs` still running (started
+    with `start_new_session=True`: the process and what it started), then
+    reaps them, waiting at most 10 s for each."""
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for proc in procs:
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def run_workers(tmp_path, script, *, timeout, workers=2, env_extra=None):
+    """Runs tests/scripts/<script> (argv: out_dir `tmp_path`) as every task of
+    a local MultiWorkerMirrored cluster of `workers` workers, each with
+    `env_extra` and its log in `tmp_path`; fails with their logs unless all
+    exit 0 within `timeout` seconds."""
+    from keras_dist import ClusterConfig
+
+    cluster = ClusterConfig.local(workers=workers)
+    with ProcessGroup() as group:
+        for index in range(workers):
+            env = {"TF_CONFIG": cluster.for_task("worker", index).to_tf_config(),
+                   **(env_extra or {})}
+            group.start(f"worker{index}", [f"tests/scripts/{script}", str(tmp_path)],
+                        env_extra=env, log_dir=str(tmp_path))
+        codes = group.wait(timeout=timeout)
+        assert codes == {f"worker{index}": 0 for index in range(workers)}, group.logs()
 
 
 # A shared cluster runs every selected script in turn: ~2.5 min here, 4-5
