@@ -16,11 +16,11 @@ sys.path.insert(0, os.path.dirname(__file__))  # tests/procs.py
 
 import tensorflow as tf  # noqa: E402
 
+from procs import CPUS  # noqa: E402
+
 _cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(
-    _cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-
-CPUS = ["/cpu:0", "/cpu:1"]
+    _cpu, [tf.config.LogicalDeviceConfiguration()] * len(CPUS))
 
 
 # ------------------------------------------------------------------ make compat

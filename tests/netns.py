@@ -11,10 +11,11 @@ processes first. Needs root and `ip` (iproute2); `available()` says why not.
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import uuid
+
+from procs import kill_groups
 
 
 def _ip(*args, check=True):
@@ -94,17 +95,7 @@ class VirtualHosts:
         _ip("-n", self.switch, "link", "set", f"s{host}{self.tag}", "up")
 
     def close(self):
-        for proc in self.procs:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for proc in self.procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
+        kill_groups(self.procs)
         for ns in [*self.names, self.switch]:
             _ip("netns", "del", ns, check=False)
 

@@ -1,4 +1,5 @@
-"""Real processes for tests: start with TF_CONFIG, always clean up.
+"""Real processes for tests: start with TF_CONFIG, always clean up; and
+the digits model they (and in-process tests) train, `digits_model`.
 
 Each process gets its own session (process group) so a test can kill it and
 anything it started; `ProcessGroup` is a context manager that does so on any
@@ -14,12 +15,58 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# The two logical CPUs tests/conftest.py makes of the host's one (a
+# MirroredStrategy over them has 2 replicas).
+CPUS = ["/cpu:0", "/cpu:1"]
+
 # The test accuracy an asynchronous digits run must reach to show it learns
 # (chance: 0.10). Which worker applies which update when is not
 # deterministic: runs usually end at 0.93-0.96, and fresh-clone CI runs on
 # TF 2.16 ended at 0.894 and 0.897 against the old 0.90 bar. Exactness is
 # checked by counts (every update applied once), not by this bar.
 ASYNC_LEARNS = 0.85
+
+
+def digits_model(optimizer, hidden=64, metrics=("accuracy",), cls=None, seed=None,
+                 steps_per_execution=1):
+    """The digits MLP (keras_dist.datasets.load_digits' 64 features, a ReLU
+    layer of `hidden` units, 10 softmax outputs), compiled with `optimizer`,
+    sparse categorical cross-entropy, `metrics` (None: none) and
+    `steps_per_execution`.
+
+    `cls=None` builds a `keras.Sequential`; a class (`keras.Model`,
+    `kd.AsyncModel`, a subclass of either) builds it functionally,
+    `cls(inputs, outputs)`. With `seed`, `keras.utils.set_random_seed(seed)`
+    comes first: the same seed, the same initial weights. Keras is imported
+    here, not with this module: scripts import it before their strategy.
+    """
+    import keras
+
+    if seed is not None:
+        keras.utils.set_random_seed(seed)
+    if cls is None:
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(hidden, activation="relu"),
+                                  keras.layers.Dense(10, activation="softmax")])
+    else:
+        inputs = keras.Input((64,))
+        features = keras.layers.Dense(hidden, activation="relu")(inputs)
+        model = cls(inputs, keras.layers.Dense(10, activation="softmax")(features))
+    model.compile(optimizer, "sparse_categorical_crossentropy",
+                  metrics=list(metrics) if metrics else None,
+                  steps_per_execution=steps_per_execution)
+    return model
+
+
+def run_script(tmp_path, script, *args, ps=1, timeout=300):
+    """Runs tests/scripts/<script> under `keras-dist-run --workers 2 --ps <ps>`
+    (out_dir `tmp_path`, then `args`); returns the chief's result.json and the
+    launcher's output, or fails with that output."""
+    cmd = [sys.executable, "-m", "keras_dist.cluster.launch", "--workers", "2", "--ps", str(ps),
+           "--", sys.executable, f"tests/scripts/{script}", str(tmp_path), *args]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    with open(tmp_path / "result.json") as f:
+        return json.load(f), proc.stdout
 
 
 class ProcessGroup:
@@ -63,23 +110,48 @@ class ProcessGroup:
         return "\n".join(out)
 
     def kill_all(self):
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for proc in self.procs.values():
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
+        kill_groups(self.procs.values())
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.kill_all()
+
+
+def kill_groups(procs):
+    """SIGKILLs the process group of each of `procs` still running (started
+    with `start_new_session=True`: the process and what it started), then
+    reaps them, waiting at most 10 s for each."""
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for proc in procs:
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def run_workers(tmp_path, script, *, timeout, workers=2, env_extra=None):
+    """Runs tests/scripts/<script> (argv: out_dir `tmp_path`) as every task of
+    a local MultiWorkerMirrored cluster of `workers` workers, each with
+    `env_extra` and its log in `tmp_path`; fails with their logs unless all
+    exit 0 within `timeout` seconds."""
+    from keras_dist import ClusterConfig
+
+    cluster = ClusterConfig.local(workers=workers)
+    with ProcessGroup() as group:
+        for index in range(workers):
+            env = {"TF_CONFIG": cluster.for_task("worker", index).to_tf_config(),
+                   **(env_extra or {})}
+            group.start(f"worker{index}", [f"tests/scripts/{script}", str(tmp_path)],
+                        env_extra=env, log_dir=str(tmp_path))
+        codes = group.wait(timeout=timeout)
+        assert codes == {f"worker{index}": 0 for index in range(workers)}, group.logs()
 
 
 # A shared cluster runs every selected script in turn: ~2.5 min here, 4-5

@@ -21,17 +21,6 @@ from procs import ASYNC_LEARNS, REPO, SHARED_TIMEOUT
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(SHARED_TIMEOUT + 60)]
 
 
-def run_script(tmp_path, script, *args, ps=1, timeout=300):
-    """Runs tests/scripts/<script> on a local cluster (2 workers, `ps` ps);
-    returns the chief's result.json and the launcher's output."""
-    cmd = [sys.executable, "-m", "keras_dist.cluster.launch", "--workers", "2", "--ps", str(ps),
-           "--", sys.executable, f"tests/scripts/{script}", str(tmp_path), *args]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    with open(tmp_path / "result.json") as f:
-        return json.load(f), proc.stdout
-
-
 @pytest.mark.compat("async")
 @pytest.mark.parametrize("steps_per_execution", ["1", "5"])
 def test_async_digits_training(request, shared_cluster, steps_per_execution):

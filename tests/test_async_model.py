@@ -131,6 +131,7 @@ np.save(sys.argv[2], model.predict(np.load(sys.argv[3]), verbose=0))
 """
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("first, second", [
     ("import keras_dist", "import keras"),
     ("import keras", "import keras_dist"),

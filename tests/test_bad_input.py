@@ -17,7 +17,7 @@ import pytest
 import keras_dist as kd
 from keras_dist import ClusterConfig, simulate
 from keras_dist.optimizers import DCASGD, DynSGD, GapAware, StalenessLimit
-from procs import REPO
+from procs import CPUS, REPO
 
 
 def tf_config(text):
@@ -71,8 +71,7 @@ CASES = {
     "fit_not_a_model": (lambda: kd.fit(42, np.ones((4, 3))), TypeError,
                         "compiled keras.Model or a zero-argument function"),
     "mismatched_x_y": (lambda: kd.fit(compiled, np.ones((8, 3)), np.ones((5, 1)),
-                                      strategy=kd.resolve_strategy("mirrored",
-                                                                   devices=["/cpu:0", "/cpu:1"]),
+                                      strategy=kd.resolve_strategy("mirrored", devices=CPUS),
                                       verbose=0),
                        ValueError, "different numbers of samples: 8 and 5"),
     # optimizer wrappers
@@ -166,6 +165,7 @@ LAUNCHER = {
 }
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("name", sorted(LAUNCHER))
 def test_launcher_input(name):
@@ -181,6 +181,7 @@ def test_catalogue_has_at_least_twenty_distinct_messages():
     json.dumps(messages)  # plain data, printable in a report
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_mismatched_input_shapes_across_workers_fail_fast_without_a_hang():
     """Worker 1 feeds 32 features to a 64-feature model while worker 0 waits

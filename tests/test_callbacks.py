@@ -18,7 +18,7 @@ import tensorflow as tf
 import keras_dist as kd
 from keras_dist.callbacks import ReplicaStep, StragglerDetector, StragglerError
 from keras_dist.datasets import load_digits
-from conftest import CPUS
+from procs import CPUS, digits_model
 
 
 class Clock:
@@ -297,11 +297,7 @@ def test_per_replica_metrics_rejects_a_bad_log_dir():
 
 # ------------------------------------------------- real training, one process
 def _digits_model():
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
-                              keras.layers.Dense(10, activation="softmax")])
-    model.compile("adam", "sparse_categorical_crossentropy", metrics=["accuracy"])
-    return model
+    return digits_model("adam", hidden=32, seed=0)
 
 
 def _scalars(event_dir):

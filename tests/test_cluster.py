@@ -143,6 +143,7 @@ def test_from_slurm_leaves_process_environment_unchanged(monkeypatch):
     assert dict(os.environ) == before
 
 
+@pytest.mark.multiprocess
 def test_reading_slurm_never_writes_the_process_environment():
     # setenv while TensorFlow threads call getenv can crash the process (CI
     # saw it), so reading a caller's mapping must not write os.environ even

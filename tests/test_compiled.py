@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import keras_dist as kd
-from conftest import CPUS
+from procs import CPUS
 from keras_dist.training import compiled
 
 TRACES = {"train": 0, "test": 0}

@@ -15,7 +15,7 @@ import keras_dist as kd
 from keras_dist import simulate
 from keras_dist.optimizers import DANA, DynSGD, GapAware
 from keras_dist.training.update import UpdateInfo
-from procs import ASYNC_LEARNS, SHARED_TIMEOUT
+from procs import ASYNC_LEARNS, SHARED_TIMEOUT, digits_model
 
 ETA, GAMMA = 0.05, 0.9
 
@@ -115,20 +115,13 @@ def test_keras_fit_warns_once_and_trains_as_nesterov():
     from keras_dist.datasets import load_digits
 
     (x, y), _ = load_digits()
-
-    def digits(optimizer):
-        keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
-                                  keras.layers.Dense(10, activation="softmax")])
-        model.compile(optimizer, "sparse_categorical_crossentropy")
-        return model
-
-    dana = digits(DANA(keras.optimizers.SGD(0.02)))
+    dana = digits_model(DANA(keras.optimizers.SGD(0.02)), hidden=32, metrics=None, seed=0)
     with pytest.warns(UserWarning, match="unknown.*trains as the only worker") as record:
         h_dana = dana.fit(x, y, epochs=2, batch_size=64, shuffle=False, verbose=0)
     assert len([w for w in record if "staleness" in str(w.message)]) == 1
     assert dana.optimizer.workers == 1
-    nesterov = digits(keras.optimizers.SGD(0.02, momentum=0.9, nesterov=True))
+    nesterov = digits_model(keras.optimizers.SGD(0.02, momentum=0.9, nesterov=True),
+                            hidden=32, metrics=None, seed=0)
     h_nesterov = nesterov.fit(x, y, epochs=2, batch_size=64, shuffle=False, verbose=0)
     np.testing.assert_allclose(h_dana.history["loss"], h_nesterov.history["loss"], rtol=1e-5)
 
@@ -158,10 +151,7 @@ def test_dana_trains_the_digits_with_many_simulated_workers():
     (x, y), (x_test, y_test) = load_digits()
 
     def accuracy(optimizer):
-        keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"),
-                                  keras.layers.Dense(10, activation="softmax")])
-        model.compile(optimizer, "sparse_categorical_crossentropy")
+        model = digits_model(optimizer, metrics=None, seed=0)
         simulate.fit(model, x, y, workers=16, epochs=10, seed=0)
         return float((model.predict(x_test, verbose=0).argmax(1) == y_test).mean())
 

@@ -13,13 +13,10 @@ import json
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import keras_dist as kd
-from conftest import CPUS
 from equivalence_cases import CASES, build, fit_arguments, largest_difference, reference
-from keras_dist import ClusterConfig
-from procs import ProcessGroup
+from procs import CPUS, run_workers
 
 TOLERANCE = 1e-5
 
@@ -56,14 +53,7 @@ def test_the_cases_are_not_trivially_equal(strategy):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(900)  # ~60 s here; 5 min with a CPU hog on one of the 2 cores
 def test_multiworker_equals_one_device(tmp_path):
-    cluster = ClusterConfig.local(workers=2)
-    with ProcessGroup() as group:
-        for index in range(2):
-            env = {"TF_CONFIG": cluster.for_task("worker", index).to_tf_config()}
-            group.start(f"worker{index}", ["tests/scripts/mwms_equivalence.py", str(tmp_path)],
-                        env_extra=env, log_dir=str(tmp_path))
-        codes = group.wait(timeout=840)
-        assert codes == {"worker0": 0, "worker1": 0}, group.logs()
+    run_workers(tmp_path, "mwms_equivalence.py", timeout=840)
     for index in range(2):
         with open(tmp_path / f"worker{index}.json") as f:
             results = json.load(f)

@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import keras_dist as kd
-from conftest import CPUS
+from procs import CPUS
 
 
 @pytest.fixture(scope="module")

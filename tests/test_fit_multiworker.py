@@ -11,23 +11,14 @@ import json
 import numpy as np
 import pytest
 
-from keras_dist import ClusterConfig
-
-from procs import ProcessGroup
+from procs import run_workers
 
 pytestmark = pytest.mark.multiprocess
 
 
 def _run_two_workers(tmp_path, input_mode):
-    cluster = ClusterConfig.local(workers=2)
-    with ProcessGroup() as group:
-        for index in range(2):
-            env = {"TF_CONFIG": cluster.for_task("worker", index).to_tf_config(),
-                   "MWMS_TEST_INPUT": input_mode}
-            group.start(f"worker{index}", ["tests/scripts/mwms_worker.py", str(tmp_path)],
-                        env_extra=env, log_dir=str(tmp_path))
-        codes = group.wait(timeout=240)
-        assert codes == {"worker0": 0, "worker1": 0}, group.logs()
+    run_workers(tmp_path, "mwms_worker.py", timeout=240,
+                env_extra={"MWMS_TEST_INPUT": input_mode})
     results = {}
     for index in range(2):
         with open(tmp_path / f"worker{index}.json") as f:

@@ -21,6 +21,7 @@ from absl import flags
 
 import keras_dist as kd
 from keras_dist import flags as kd_flags
+from procs import digits_model
 
 TWO_PS = {"cluster": {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"],
                       "ps": ["127.0.0.1:3", "127.0.0.1:4"]},
@@ -139,6 +140,7 @@ def test_module_imports_neither_tensorflow_nor_keras():
         "define_flags", "fit_kwargs", "strategy_from_flags", "wrap_optimizer"]
 
 
+@pytest.mark.multiprocess
 def test_no_tensor_before_the_strategy():
     # MultiWorkerMirrored must be created before TF's runtime starts: importing,
     # defining, parsing and fit_kwargs (callbacks) must not start it.
@@ -386,11 +388,7 @@ def test_fit_with_flags_end_to_end(tmp_path):
                 "--straggler_window=4", f"--tensorboard_dir={tmp_path}")
 
     def build_model():
-        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(16, activation="relu"),
-                                  keras.layers.Dense(10, activation="softmax")])
-        model.compile(kd_flags.wrap_optimizer(keras.optimizers.SGD(0.1), fv),
-                      "sparse_categorical_crossentropy", metrics=["accuracy"])
-        return model
+        return digits_model(kd_flags.wrap_optimizer(keras.optimizers.SGD(0.1), fv), hidden=16)
 
     seen = []
 

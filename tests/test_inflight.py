@@ -98,6 +98,7 @@ def test_only_successes_count_as_finished_and_lost_steps_are_counted(flight):
                                        "late": 0, "lost": 1}
 
 
+@pytest.mark.multiprocess
 def test_a_fetch_that_never_returns_does_not_keep_the_process_alive():
     import subprocess
     import sys

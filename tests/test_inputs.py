@@ -18,8 +18,8 @@ import pytest
 import tensorflow as tf
 
 import keras_dist as kd
-from conftest import CPUS
 from keras_dist.training import data as data_lib
+from procs import CPUS
 
 TOLERANCE = 1e-6
 

@@ -13,8 +13,7 @@ import pytest
 
 import keras_dist as kd
 from keras_dist.training import driver
-
-CPUS = ["/cpu:0", "/cpu:1"]
+from procs import CPUS
 
 
 @pytest.fixture(scope="module")

@@ -36,6 +36,7 @@ def pids_with_marker(marker):
     return found
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("args, message", [
     (["--workers", "0", "--", "python", "x.py"], "--workers must be at least 1. Received: --workers 0"),
     (["--ps", "-1", "--", "python", "x.py"], "--ps must be 0 or more"),
@@ -50,6 +51,7 @@ def test_bad_arguments_fail_fast_with_a_clear_message(args, message):
     assert message in proc.stderr
 
 
+@pytest.mark.multiprocess
 def test_prefixes_output_and_returns_the_leaders_exit_code(tmp_path):
     script = tmp_path / "task.py"
     script.write_text(
@@ -63,6 +65,7 @@ def test_prefixes_output_and_returns_the_leaders_exit_code(tmp_path):
     assert "[worker:1] hello from worker 1" in proc.stdout
 
 
+@pytest.mark.multiprocess
 def test_stops_serving_tasks_when_the_chief_ends(tmp_path):
     marker = f"kd-marker-{os.getpid()}-serve"
     script = tmp_path / "task.py"
@@ -80,6 +83,7 @@ def test_stops_serving_tasks_when_the_chief_ends(tmp_path):
     assert pids_with_marker(marker) == []
 
 
+@pytest.mark.multiprocess
 def test_killing_the_launcher_leaves_no_process_behind(tmp_path):
     marker = f"kd-marker-{os.getpid()}-kill"
     script = tmp_path / "task.py"
@@ -112,6 +116,7 @@ def test_killing_the_launcher_leaves_no_process_behind(tmp_path):
             os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.multiprocess
 def test_help_answers_without_importing_tensorflow():
     # The launcher only starts processes: TensorFlow loads in the tasks, not here.
     code = ("import sys\n"
@@ -138,6 +143,7 @@ def test_the_earlier_module_path_still_launches():
     assert "usage: keras-dist-run" in proc.stdout, proc.stdout
 
 
+@pytest.mark.multiprocess
 def test_tensorflow_noise_is_dropped_unless_the_user_asks_for_it(tmp_path):
     script = tmp_path / "task.py"
     script.write_text(
@@ -189,6 +195,7 @@ def test_a_live_progress_bar_on_a_terminal_stays_one_line():
     assert console.live is None
 
 
+@pytest.mark.multiprocess
 def test_a_serving_task_that_exits_cleanly_is_explained(tmp_path):
     # Plain model.fit under --ps: every task trains on its own and ends with 0.
     script = tmp_path / "task.py"

@@ -19,10 +19,10 @@ import pytest
 import tensorflow as tf
 
 import keras_dist as kd
-from conftest import CPUS
 from keras_dist.training import driver
 from keras_dist.training.plan import RunPlan
 from keras_dist.training.sync_executor import SyncExecutor
+from procs import CPUS
 
 
 def own_fit(model, strategy, *args, **kwargs):

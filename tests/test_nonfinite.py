@@ -17,8 +17,7 @@ import pytest
 
 import keras_dist as kd
 from equivalence_cases import largest_difference
-
-CPUS = ["/cpu:0", "/cpu:1"]  # tests/conftest.py makes two logical CPUs
+from procs import CPUS
 STRATEGIES = ["default", "one_device", "mirrored"]
 
 

@@ -12,6 +12,7 @@ import pytest
 import keras_dist as kd
 from keras_dist.training.update import UpdateInfo
 from keras_dist.optimizers import DCASGD, DynSGD, GapAware, StalenessLimit, StalenessScaled
+from procs import digits_model
 
 LR = 0.1
 SHAPES = [(3, 2), (2,)]
@@ -242,23 +243,13 @@ def test_config_round_trip(wrapper):
     assert float(restored.learning_rate) == pytest.approx(0.003)
 
 
-def build_digits_model(optimizer):
-    inputs = keras.Input((64,))
-    outputs = keras.layers.Dense(10, activation="softmax")(
-        keras.layers.Dense(32, activation="relu")(inputs))
-    model = kd.AsyncModel(inputs, outputs)
-    model.compile(optimizer, "sparse_categorical_crossentropy", metrics=["accuracy"])
-    return model
-
-
 def test_plain_fit_warns_once_and_trains_like_the_inner_optimizer():
     from keras_dist.datasets import load_digits
 
     (x, y), _ = load_digits()
-    keras.utils.set_random_seed(0)
-    wrapped = build_digits_model(DynSGD(keras.optimizers.SGD(0.05)))
-    keras.utils.set_random_seed(0)
-    bare = build_digits_model(keras.optimizers.SGD(0.05))
+    wrapped = digits_model(DynSGD(keras.optimizers.SGD(0.05)), hidden=32, cls=kd.AsyncModel,
+                           seed=0)
+    bare = digits_model(keras.optimizers.SGD(0.05), hidden=32, cls=kd.AsyncModel, seed=0)
     with pytest.warns(UserWarning, match="staleness of this update is unknown") as record:
         h_wrapped = wrapped.fit(x, y, epochs=2, batch_size=64, shuffle=False, verbose=0)
     assert len([w for w in record if "staleness" in str(w.message)]) == 1
@@ -272,7 +263,8 @@ def test_keras_save_load_then_training_continues(tmp_path, wrapper):
     from keras_dist.datasets import load_digits
 
     (x, y), _ = load_digits()
-    model = build_digits_model(WRAPPERS[wrapper](keras.optimizers.SGD(0.05)))
+    model = digits_model(WRAPPERS[wrapper](keras.optimizers.SGD(0.05)), hidden=32,
+                         cls=kd.AsyncModel)
     with pytest.warns(UserWarning):
         model.fit(x[:256], y[:256], epochs=1, verbose=0)
     model.save(tmp_path / "m.keras")

@@ -61,6 +61,7 @@ def run_smoke(python, cwd):
 
 
 @pytest.mark.compat("wheel")
+@pytest.mark.multiprocess
 def test_wheel_installs_and_runs_outside_the_source_tree(tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()

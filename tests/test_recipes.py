@@ -49,6 +49,7 @@ def _local_tasks(shape):
             for index in range(len(addresses))]
 
 
+@pytest.mark.multiprocess
 def test_importing_recipes_does_not_import_tensorflow_or_keras():
     code = ("import sys, keras_dist.recipes; "
             "print(sorted(m for m in ('tensorflow', 'keras') if m in sys.modules))")
@@ -266,6 +267,7 @@ def _block_layout(tasks, per_node):
     return nodelist, tasks_per_node, rank_hosts
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("workers,per_node", SLURM_SHAPES)
 def test_slurm_script_is_valid_bash_asking_for_one_slurm_task_per_tf_task(
         workers, per_node, tmp_path):
@@ -286,6 +288,7 @@ def test_slurm_script_is_valid_bash_asking_for_one_slurm_task_per_tf_task(
                if line.startswith("#SBATCH"))
 
 
+@pytest.mark.multiprocess
 def test_slurm_script_runs_the_exact_command_once_through_srun(tmp_path):
     command = ["python", "train.py", "--note", "it's \"quoted\" $(rm -rf /) `x` ; |",
                "a b", "*", "\\", "é"]
@@ -299,6 +302,7 @@ def test_slurm_script_runs_the_exact_command_once_through_srun(tmp_path):
     assert _sbatch(script, "cpus-per-task") == "4"
 
 
+@pytest.mark.multiprocess
 def test_slurm_script_drops_a_tf_config_from_the_submitting_shell(tmp_path):
     stale = json.dumps({"cluster": {"worker": ["laptop:1234"]},
                         "task": {"type": "worker", "index": 0}})
@@ -310,6 +314,7 @@ def test_slurm_script_drops_a_tf_config_from_the_submitting_shell(tmp_path):
     assert env["TF_CPP_MIN_LOG_LEVEL"] == "2"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("workers,per_node", SLURM_SHAPES)
 def test_slurm_ranks_read_the_roles_and_strategy_the_launcher_gives(
         workers, per_node, tmp_path):
@@ -362,6 +367,7 @@ ASYNC_SLURM_SHAPES = [
 ]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("shape,per_node,rank_roles", ASYNC_SLURM_SHAPES)
 def test_slurm_async_ranks_read_the_roles_the_launcher_gives(
         shape, per_node, rank_roles, tmp_path):
@@ -388,6 +394,7 @@ def test_slurm_async_ranks_read_the_roles_the_launcher_gives(
     assert "rank 0 is the chief" in script and "The chief leads." in script
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("shape", SHAPES)
 def test_slurm_ranks_of_every_layout_match_the_launchers_tasks(shape, tmp_path):
     script = recipes.slurm(COMMAND, **shape)
@@ -407,6 +414,7 @@ def test_slurm_ranks_of_every_layout_match_the_launchers_tasks(shape, tmp_path):
     assert sum(c.is_chief for c in configs) == 1
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("ps,wait", [(0, False), (1, True), (2, True)])
 def test_slurm_srun_waits_60_s_after_the_first_exit_only_with_ps(ps, wait, tmp_path):
     argv, _ = _run_with_fake_srun(recipes.slurm(COMMAND, workers=2, ps=ps), tmp_path)
@@ -415,6 +423,7 @@ def test_slurm_srun_waits_60_s_after_the_first_exit_only_with_ps(ps, wait, tmp_p
     assert "--kill-on-bad-exit=1" in options
 
 
+@pytest.mark.multiprocess
 def test_slurm_script_overrides_a_role_layout_from_the_submitting_shell(tmp_path):
     _, env = _run_with_fake_srun(recipes.slurm(COMMAND, workers=3), tmp_path,
                                  {"KERAS_DIST_SLURM_JOBS": "chief:1,ps:1,worker:1"})
@@ -426,6 +435,7 @@ def test_slurm_jobs_variable_name_is_the_clusters():
     assert recipes.SLURM_JOBS_ENV == cluster.SLURM_JOBS_ENV == "KERAS_DIST_SLURM_JOBS"
 
 
+@pytest.mark.multiprocess
 # TensorFlow's SlurmClusterResolver sorts host names as text (rank 1 of
 # node[1-10] got node10's address); from_slurm keeps SLURM's node order.
 def test_slurm_addresses_follow_srun_placement_on_ten_nodes(tmp_path):

@@ -22,7 +22,7 @@ import pytest
 
 import keras_dist as kd
 from keras_dist.callbacks import BackupAndRestore
-from procs import REPO
+from procs import CPUS, REPO
 
 
 def launch(out_dir, backup, epochs, crash_epoch, ps):
@@ -184,8 +184,6 @@ def test_a_backup_whose_optimizer_differs_is_refused_not_half_loaded(tmp_path):
 
 
 def test_resume_under_mirrored_with_keras_dist_loop(tmp_path):
-    from conftest import CPUS
-
     strategy = kd.resolve_strategy("mirrored", devices=CPUS)
 
     class Stop(keras.callbacks.Callback):

@@ -7,9 +7,6 @@ learn as well as unsharded, BackupAndRestore resumes, and saved files move
 between one device and clusters with 2 or 3 parameter servers.
 """
 
-import os
-import sys
-
 import keras
 import numpy as np
 import pytest
@@ -17,15 +14,13 @@ import tensorflow as tf
 
 import keras_dist as kd
 from keras_dist import sharded
-from procs import ASYNC_LEARNS
-from test_async import run_script
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sharded_cases import data, recommender  # noqa: E402
+from procs import ASYNC_LEARNS, run_script
+from sharded_cases import data, recommender
 
 PS = ["/job:ps/replica:0/task:0/device:CPU:0", "/job:ps/replica:0/task:1/device:CPU:0"]
 
 
+@pytest.mark.multiprocess
 def test_sharded_training_on_two_parameter_servers(tmp_path):
     result, _ = run_script(tmp_path, "ps_sharded.py", "train", "2", ps=2)
 
@@ -78,6 +73,7 @@ def test_sharded_training_on_two_parameter_servers(tmp_path):
 
 
 @pytest.mark.compat("sharded")
+@pytest.mark.multiprocess
 def test_one_device_model_loads_sharded_over_three_parameter_servers(tmp_path):
     x, y = data(4000, 0)
     x_test, _ = data(1000, 1)

@@ -6,6 +6,7 @@ import pytest
 
 import keras_dist as kd
 from keras_dist import simulate
+from procs import digits_model
 
 
 @pytest.mark.parametrize("workers", [1, 2, 4, 16, 64, 256])
@@ -120,13 +121,9 @@ def test_bad_schedule_arguments(kwargs, message):
         simulate.schedule(**kwargs)
 
 
-def digits_model(optimizer, seed=0):
-    keras.utils.set_random_seed(seed)
-    inputs = keras.Input((64,))
-    hidden = keras.layers.Dense(32, activation="relu")(inputs)
-    model = keras.Model(inputs, keras.layers.Dense(10, activation="softmax")(hidden))
-    model.compile(optimizer, "sparse_categorical_crossentropy", metrics=["accuracy"])
-    return model
+def _digits_functional(optimizer, seed=0):
+    """The digits MLP with 32 hidden units, as a functional keras.Model."""
+    return digits_model(optimizer, hidden=32, cls=keras.Model, seed=seed)
 
 
 @pytest.fixture(scope="module")
@@ -138,11 +135,11 @@ def digits():
 
 def test_one_simulated_worker_is_plain_sgd(digits):
     (x, y), _ = digits
-    simulated = digits_model(keras.optimizers.SGD(0.1))
+    simulated = _digits_functional(keras.optimizers.SGD(0.1))
     history, sched = simulate.fit(simulated, x, y, workers=1, epochs=1, seed=3)
     assert set(sched.staleness) == {0}
     # The same batches in the same order, applied by Keras itself.
-    plain = digits_model(keras.optimizers.SGD(0.1))
+    plain = _digits_functional(keras.optimizers.SGD(0.1))
     order = np.random.default_rng(3).permutation(len(x))
     for step in range(len(x) // 32):
         idx = order[step * 32:(step + 1) * 32]
@@ -156,7 +153,7 @@ def test_plain_async_degrades_with_workers_and_wrappers_hold_up(digits):
     (x, y), (x_test, y_test) = digits
 
     def accuracy(optimizer, workers, seed):
-        model = digits_model(optimizer, seed)
+        model = _digits_functional(optimizer, seed)
         simulate.fit(model, x, y, workers=workers, epochs=4, seed=seed)
         return model.evaluate(x_test, y_test, return_dict=True, verbose=0)["accuracy"]
 
@@ -192,7 +189,7 @@ def test_simulated_fit_under_mixed_float16_matches_float32(digits):
     def accuracy(policy):
         keras.config.set_dtype_policy(policy)
         try:
-            model = digits_model(kd.optimizers.GapAware(keras.optimizers.SGD(0.1)))
+            model = _digits_functional(kd.optimizers.GapAware(keras.optimizers.SGD(0.1)))
             wrapped = isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
             simulate.fit(model, x, y, workers=4, epochs=3)
             return wrapped, model.evaluate(x_test, y_test, return_dict=True,
@@ -207,11 +204,7 @@ def test_simulated_fit_under_mixed_float16_matches_float32(digits):
 
 
 def _digits_mlp(optimizer):
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(16, activation="relu"),
-                              keras.layers.Dense(10, activation="softmax")])
-    model.compile(optimizer, "sparse_categorical_crossentropy")
-    return model
+    return digits_model(optimizer, hidden=16, metrics=None, seed=0)
 
 
 @pytest.mark.parametrize("make", [lambda: keras.optimizers.SGD(0.1),

@@ -15,8 +15,8 @@ import time
 import pytest
 import tensorflow as tf
 
-from conftest import CPUS
 from keras_dist import ClusterConfig, StrategyKind, choose_strategy, resolve_strategy
+from procs import CPUS
 
 TWO_WORKERS = {
     "cluster": {"worker": ["host1:2222", "host2:2222"]},

@@ -93,6 +93,7 @@ def test_a_version_below_the_minimum_says_what_goes_wrong(monkeypatch):
         versions.warn_if_untested()
 
 
+@pytest.mark.multiprocess
 def test_the_untested_version_warning_points_at_the_users_line(tmp_path):
     # keras_dist loads its TensorFlow side on first use, through the import
     # machinery: the warning must still name the user's line, not ours.

@@ -17,17 +17,13 @@ import keras  # noqa: E402
 
 from keras_dist.datasets import load_digits  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from procs import digits_model  # noqa: E402
+
 
 def build_model():
-    keras.utils.set_random_seed(7)  # same initial weights on every worker
-    model = keras.Sequential([
-        keras.Input((64,)),
-        keras.layers.Dense(32, activation="relu"),
-        keras.layers.Dense(10, activation="softmax"),
-    ])
-    model.compile(keras.optimizers.SGD(0.1, momentum=0.9),
-                  "sparse_categorical_crossentropy", metrics=["accuracy"])
-    return model
+    # seed: the same initial weights on every worker
+    return digits_model(keras.optimizers.SGD(0.1, momentum=0.9), hidden=32, seed=7)
 
 
 def main(out_dir):

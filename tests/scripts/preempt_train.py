@@ -37,19 +37,14 @@ import tensorflow as tf  # noqa: E402
 
 from keras_dist.datasets import load_digits  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from procs import digits_model  # noqa: E402
+
 STEP_SECONDS = 0.02
 
 
 def build_model():
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([
-        keras.Input((64,)),
-        keras.layers.Dense(32, activation="relu"),
-        keras.layers.Dense(10, activation="softmax"),
-    ])
-    model.compile(keras.optimizers.Adam(2e-3), "sparse_categorical_crossentropy",
-                  metrics=["accuracy"])
-    return model
+    return digits_model(keras.optimizers.Adam(2e-3), hidden=32, seed=0)
 
 
 class Progress(keras.callbacks.Callback):

@@ -34,6 +34,7 @@ import keras  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from equivalence_cases import WeightedStep  # noqa: E402
+from procs import digits_model  # noqa: E402
 
 EPOCHS, STEPS = 3, 40
 
@@ -94,12 +95,7 @@ def main(out_dir):
     result["steps"] = EPOCHS * STEPS
 
     def build_plain():
-        keras.utils.set_random_seed(0)
-        plain = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"),
-                                  keras.layers.Dense(10, activation="softmax")])
-        plain.compile(keras.optimizers.SGD(0.05, momentum=0.9),
-                      "sparse_categorical_crossentropy", metrics=["accuracy"])
-        return plain
+        return digits_model(keras.optimizers.SGD(0.05, momentum=0.9), seed=0)
 
     history = kd.fit(build_plain, EARLY_TRAIN, strategy=strategy, epochs=2,
                      validation_data=EARLY_TEST, verbose=0)

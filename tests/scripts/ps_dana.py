@@ -27,25 +27,21 @@ import keras  # noqa: E402
 
 from keras_dist.datasets import load_digits  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from procs import digits_model  # noqa: E402
+
 K, ETA, GAMMA = 4, 0.05, 0.9
 (X, Y), (X_TEST, Y_TEST) = load_digits()
 
 
-def mlp(optimizer, steps_per_execution=1):
-    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"),
-                              keras.layers.Dense(10, activation="softmax")])
-    model.compile(optimizer, "sparse_categorical_crossentropy", metrics=["accuracy"],
-                  steps_per_execution=steps_per_execution)
-    return model
-
-
 def one_execution():
     keras.utils.set_random_seed(1)
-    local = mlp(keras.optimizers.SGD(ETA, momentum=GAMMA, nesterov=True))
+    local = digits_model(keras.optimizers.SGD(ETA, momentum=GAMMA, nesterov=True))
     init = [w.numpy() for w in local.weights]
     with strategy.scope():
         remote = kd.AsyncModel.from_model(
-            mlp(kd.optimizers.DANA(keras.optimizers.SGD(ETA), momentum=GAMMA), K))
+            digits_model(kd.optimizers.DANA(keras.optimizers.SGD(ETA), momentum=GAMMA),
+                         steps_per_execution=K))
     remote.set_weights(init)
     remote.fit(X[:32 * K], Y[:32 * K], batch_size=32, epochs=1, steps_per_epoch=K,
                shuffle=False, verbose=0)
@@ -72,7 +68,7 @@ def train():
     keras.utils.set_random_seed(2)
     with strategy.scope():
         model = kd.AsyncModel.from_model(
-            mlp(kd.optimizers.DANA(keras.optimizers.SGD(ETA), momentum=GAMMA)))
+            digits_model(kd.optimizers.DANA(keras.optimizers.SGD(ETA), momentum=GAMMA)))
     history = model.fit(X, Y, batch_size=32, epochs=8, steps_per_epoch=45, verbose=0)
     velocities = [v.numpy() for v in model.optimizer.velocities]
     return {"test_accuracy": model.evaluate(X_TEST, Y_TEST, verbose=0, return_dict=True)[

@@ -34,27 +34,22 @@ import keras_dist as kd
 strategy = kd.resolve_strategy()
 
 import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
 from keras_dist.datasets import load_digits  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from procs import digits_model  # noqa: E402
 
 K = 4
 (X, Y), (X_TEST, Y_TEST) = load_digits()
 
 
-def mlp(optimizer):
-    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"),
-                              keras.layers.Dense(10, activation="softmax")])
-    model.compile(optimizer, "sparse_categorical_crossentropy", metrics=["accuracy"])
-    return model
-
-
 def one_round(make_optimizer):
     keras.utils.set_random_seed(1)
-    local = mlp(make_optimizer())
+    local = digits_model(make_optimizer())
     init = [w.numpy() for w in local.weights]
     with strategy.scope():
-        remote = kd.AsyncModel.from_model(mlp(make_optimizer()))
+        remote = kd.AsyncModel.from_model(digits_model(make_optimizer()))
     remote.set_weights(init)
     remote.fit(X[:32 * K], Y[:32 * K], batch_size=32, epochs=1, steps_per_epoch=K,
                shuffle=False, verbose=0, local_steps=K)
@@ -105,7 +100,7 @@ def racing_sum(elastic=None):
 def train(outer, elastic=None):
     keras.utils.set_random_seed(2)
     with strategy.scope():
-        model = kd.AsyncModel.from_model(mlp(keras.optimizers.SGD(0.05, momentum=0.9)))
+        model = kd.AsyncModel.from_model(digits_model(keras.optimizers.SGD(0.05, momentum=0.9)))
     history = model.fit(X, Y, batch_size=32, epochs=6, steps_per_epoch=40 * K, verbose=0,
                         local_steps=K, outer_optimizer=outer, elastic=elastic,
                         validation_data=(X_TEST, Y_TEST))
@@ -123,12 +118,13 @@ def errors():
 
     messages = {}
     with strategy.scope():
-        spe = kd.AsyncModel.from_model(mlp("sgd"))
+        spe = kd.AsyncModel.from_model(digits_model("sgd"))
         spe.compile("sgd", "sparse_categorical_crossentropy", steps_per_execution=2)
         inputs = keras.Input((64,))
         custom = Custom(inputs, keras.layers.Dense(10, activation="softmax")(inputs))
         custom.compile("sgd", "sparse_categorical_crossentropy")
-        wrapped = kd.AsyncModel.from_model(mlp(kd.optimizers.DynSGD(keras.optimizers.SGD())))
+        wrapped = kd.AsyncModel.from_model(
+            digits_model(kd.optimizers.DynSGD(keras.optimizers.SGD())))
     for name, model in {"steps_per_execution": spe, "train_step": custom,
                         "wrapper": wrapped}.items():
         try:

@@ -20,19 +20,18 @@ import keras  # noqa: E402
 
 from keras_dist.datasets import load_digits  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from procs import digits_model  # noqa: E402
+
 EPOCHS = int(sys.argv[2]) if len(sys.argv) > 2 else 12
 STEPS = 45
 
 
 def main(out_dir):
     (x, y), (x_test, y_test) = load_digits()
-    keras.utils.set_random_seed(0)
     with strategy.scope():
-        inputs = keras.Input((64,))
-        hidden = keras.layers.Dense(64, activation="relu")(inputs)
-        model = kd.AsyncModel(inputs, keras.layers.Dense(10, activation="softmax")(hidden))
-        model.compile(keras.optimizers.SGD(0.05, momentum=0.9),
-                      "sparse_categorical_crossentropy", metrics=["accuracy"])
+        model = digits_model(keras.optimizers.SGD(0.05, momentum=0.9), cls=kd.AsyncModel,
+                             seed=0)
     per_epoch = []  # each epoch's updates per worker (staleness_stats holds the last)
     record = keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: per_epoch.append(
         {str(k): v for k, v in model.staleness_stats.updates_per_worker().items()}))

@@ -20,18 +20,17 @@ import keras  # noqa: E402
 
 from keras_dist.datasets import load_digits  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from procs import digits_model  # noqa: E402
+
 
 def main(out_dir, mode):
     (x, y), (x_test, y_test) = load_digits()
     x = x.copy()
     x[::60] = np.nan  # 24 poisoned examples: some batches give NaN gradients
-    keras.utils.set_random_seed(0)
     with strategy.scope():
-        inputs = keras.Input((64,))
-        hidden = keras.layers.Dense(64, activation="relu")(inputs)
-        model = kd.AsyncModel(inputs, keras.layers.Dense(10, activation="softmax")(hidden))
-        model.compile(keras.optimizers.SGD(0.05, momentum=0.9),
-                      "sparse_categorical_crossentropy", metrics=["accuracy"])
+        model = digits_model(keras.optimizers.SGD(0.05, momentum=0.9), cls=kd.AsyncModel,
+                             seed=0)
     model.nonfinite_updates = mode
     result = {}
     try:

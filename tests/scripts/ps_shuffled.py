@@ -8,6 +8,7 @@ argv: variant, one of
 Prints `RESULT <variant> <final loss>` on the chief.
 """
 
+import os
 import sys
 
 import keras_dist as kd
@@ -19,17 +20,14 @@ import tensorflow as tf  # noqa: E402
 
 from keras_dist.datasets import load_digits  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from procs import digits_model  # noqa: E402
+
 VARIANT = sys.argv[1] if len(sys.argv) > 1 else "fn"
 
 
 def build_model():
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((64,)),
-                              keras.layers.Dense(64, activation="relu"),
-                              keras.layers.Dense(10, activation="softmax")])
-    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
-                  loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-    return model
+    return digits_model(keras.optimizers.SGD(0.05, momentum=0.9), seed=0)
 
 
 (x_train, y_train), _ = load_digits()

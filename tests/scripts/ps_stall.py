@@ -28,19 +28,17 @@ import keras  # noqa: E402
 
 from keras_dist.datasets import load_digits  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from procs import digits_model  # noqa: E402
+
 
 def main(out_dir, epochs, steps, per_call=1, local=1, idle=0, mode="plain"):
     (x, y), (x_test, y_test) = load_digits()
-    keras.utils.set_random_seed(0)
     with strategy.scope():
-        inputs = keras.Input((64,))
-        hidden = keras.layers.Dense(64, activation="relu")(inputs)
-        model = kd.AsyncModel(inputs, keras.layers.Dense(10, activation="softmax")(hidden))
         optimizer = (kd.optimizers.DANA(keras.optimizers.SGD(0.02), momentum=0.9)
                      if mode == "dana" else keras.optimizers.SGD(0.02, momentum=0.9))
-        model.compile(optimizer,
-                      "sparse_categorical_crossentropy", metrics=["accuracy"],
-                      steps_per_execution=per_call)
+        model = digits_model(optimizer, cls=kd.AsyncModel, seed=0,
+                             steps_per_execution=per_call)
     per_epoch, times = [], []
 
     def begin(epoch, logs):

@@ -20,6 +20,9 @@ import keras  # noqa: E402
 
 from keras_dist.datasets import load_digits  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from procs import digits_model  # noqa: E402
+
 TRACES = collections.Counter()
 
 
@@ -40,10 +43,7 @@ class Counting(kd.AsyncModel):
 def main(out_dir):
     (x, y), (x_test, y_test) = load_digits()
     with strategy.scope():
-        inputs = keras.Input((64,))
-        hidden = keras.layers.Dense(32, activation="relu")(inputs)
-        model = Counting(inputs, keras.layers.Dense(10, activation="softmax")(hidden))
-        model.compile("sgd", "sparse_categorical_crossentropy", metrics=["accuracy"])
+        model = digits_model("sgd", hidden=32, cls=Counting)
     counts = {}
     for run in ("first_fit", "second_fit"):
         model.fit(x, y, batch_size=32, epochs=3, steps_per_epoch=20, verbose=0,

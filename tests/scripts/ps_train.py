@@ -17,18 +17,13 @@ import numpy as np  # noqa: E402
 
 from keras_dist.datasets import load_digits  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from procs import digits_model  # noqa: E402
+
 
 def build_model():
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([
-        keras.Input((64,)),
-        keras.layers.Dense(64, activation="relu"),
-        keras.layers.Dense(10, activation="softmax"),
-    ])
-    model.compile(keras.optimizers.SGD(0.05, momentum=0.9),
-                  "sparse_categorical_crossentropy", metrics=["accuracy"],
-                  steps_per_execution=int(sys.argv[2]) if len(sys.argv) > 2 else 1)
-    return model
+    return digits_model(keras.optimizers.SGD(0.05, momentum=0.9), seed=0,
+                        steps_per_execution=int(sys.argv[2]) if len(sys.argv) > 2 else 1)
 
 
 def main(out_dir):

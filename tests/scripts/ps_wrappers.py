@@ -24,6 +24,9 @@ import keras  # noqa: E402
 
 from keras_dist.datasets import load_digits  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from procs import digits_model  # noqa: E402
+
 O = kd.optimizers
 WRAPPERS = {
     "DynSGD": lambda: O.DynSGD(keras.optimizers.SGD(0.05, momentum=0.9)),
@@ -57,13 +60,9 @@ def main(out_dir):
     if sys.argv[2:] == ["mixed"]:
         runs = MIXED
     for name, (policy, make) in runs.items():
-        keras.utils.set_random_seed(0)
         keras.config.set_dtype_policy(policy)
         with strategy.scope():
-            inputs = keras.Input((64,))
-            hidden = keras.layers.Dense(64, activation="relu")(inputs)
-            model = kd.AsyncModel(inputs, keras.layers.Dense(10, activation="softmax")(hidden))
-            model.compile(make(), "sparse_categorical_crossentropy", metrics=["accuracy"])
+            model = digits_model(make(), cls=kd.AsyncModel, seed=0)
         history = model.fit(x, y, epochs=8, steps_per_epoch=45, batch_size=32, verbose=2)
         accuracy = model.evaluate(x_test, y_test, return_dict=True, verbose=0)["accuracy"]
         results[name] = {"test_accuracy": accuracy, "history": history.history,

@@ -21,17 +21,12 @@ import numpy as np  # noqa: E402
 
 from keras_dist.datasets import load_digits  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from procs import digits_model  # noqa: E402
+
 
 def build_model():
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([
-        keras.Input((64,)),
-        keras.layers.Dense(64, activation="relu"),
-        keras.layers.Dense(10, activation="softmax"),
-    ])
-    model.compile(keras.optimizers.Adam(2e-3), "sparse_categorical_crossentropy",
-                  metrics=["accuracy"])
-    return model
+    return digits_model(keras.optimizers.Adam(2e-3), seed=0)
 
 
 def flat(weights):
@@ -66,10 +61,12 @@ class Record(keras.callbacks.Callback):
 def main(out_dir, backup_dir, epochs, crash_epoch):
     (x, y), (x_test, y_test) = load_digits()
     backup = kd.callbacks.BackupAndRestore(backup_dir, delete_checkpoint=False)
-    record = Record(out_dir, crash_epoch, backup._chief)
+    cluster = kd.ClusterConfig.from_env()
+    chief = cluster is None or cluster.is_chief  # the task that records and writes results
+    record = Record(out_dir, crash_epoch, chief)
     history = kd.fit(build_model, x[:1280], y[:1280], strategy=strategy, epochs=epochs,
                      batch_size=64, verbose=2, callbacks=[backup, record])
-    if not backup._chief:
+    if not chief:
         return
     np.savez(os.path.join(out_dir, "restored.npz"), weights=record.at_begin[0],
              optimizer=record.at_begin[1])
