@@ -436,7 +436,7 @@ def _define_strategy(fv):
 
 
 def _define_nonfinite_updates(fv):
-    from keras_dist.training.update import MODES
+    from keras_dist.training.nonfinite import MODES
 
     absl_flags.DEFINE_enum(
         "nonfinite_updates", None, list(MODES),

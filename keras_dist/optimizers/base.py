@@ -26,6 +26,8 @@ import keras
 import tensorflow as tf
 
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
+from keras_dist.training import gradients
+from keras_dist.training import nonfinite
 from keras_dist.training import update as update_lib
 
 BASE_OPTIMIZER_ARGUMENTS = (
@@ -175,7 +177,7 @@ class StalenessAwareOptimizer(keras.optimizers.Optimizer):
         if keep is None:
             apply_inner(new_grads, trainable_variables)
             return None
-        update_lib.apply_if(keep, apply_inner, new_grads, trainable_variables,
+        nonfinite.apply_if(keep, apply_inner, new_grads, trainable_variables,
                             lambda: _dropped(self))
         return None
 
@@ -250,7 +252,7 @@ class StalenessAwareOptimizer(keras.optimizers.Optimizer):
         return cls(inner, **config)
 
 
-scale_gradients = update_lib.scale_gradients
+scale_gradients = gradients.scale_gradients
 
 
 def check_pulled(name, why, pulled, variables):

@@ -43,6 +43,7 @@ import tensorflow as tf
 
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 from keras_dist.training import driver
+from keras_dist.training import gradients
 from keras_dist.training import stateless
 from keras_dist.training import step_report
 from keras_dist.training import update
@@ -294,7 +295,7 @@ def _push(state, outer, trainable, delta, opt_vars, opt, opt0, non_trainable, nt
     the outer optimizer), under the non-finite policy. Returns `(writes,
     skipped)`: a skipped round (0/1, float64) is reported, not written."""
     policy = state.policy
-    finite = update.all_finite(delta)
+    finite = gradients.all_finite(delta)
     skipped = tf.cast(tf.logical_not(finite), tf.float64)
     writes = []
     if policy.mode == "raise":
@@ -330,7 +331,7 @@ def _push_elastic(state, elastic, trainable, x, centre, x_start, worker, opt_var
     the worker's copy keeps `x_i - e`. A round that ended non-finite
     changes nothing (or raises): the copy stays `x_start`, as read at the
     pull (only this worker writes its row)."""
-    finite = update.all_finite(x)
+    finite = gradients.all_finite(x)
     skipped = tf.cast(tf.logical_not(finite), tf.float64)
     writes = []
     if state.policy.mode == "raise":

@@ -20,7 +20,9 @@ import tensorflow as tf
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 from keras_dist.optimizers.base import StalenessAwareOptimizer
 from keras_dist.training import driver
+from keras_dist.training import gradients
 from keras_dist.training import local_steps as local_steps_lib
+from keras_dist.training import nonfinite
 from keras_dist.training import sharded
 from keras_dist.training import step_report
 from keras_dist.training import update
@@ -56,7 +58,7 @@ class WorkerStep:
         with strategy.scope():
             counter = getattr(model, "version_counter", None)
             self.version = counter if counter is not None else VersionCounter()
-            self.policy = update.NonFinitePolicy(mode).build()
+            self.policy = nonfinite.NonFinitePolicy(mode).build()
         model.__dict__["version_counter"] = self.version
         self._functions = {}
         self.held = {}  # worker -> the RemoteValue of its last finished execution
@@ -140,8 +142,8 @@ class WorkerStep:
         # the chief adds it up (`ChiefMetrics`): no metric round trips here.
         metrics = [tf.zeros(v.shape, v.dtype) for v in self.metric_variables]
         # With every weight on one parameter server, each update runs there
-        # (`update.ship_gradients`) and its tau stays there until the end.
-        planned = update.home_device(model.trainable_variables) if self.options.ship_gradients else None
+        # (`gradients.ship_gradients`) and its tau stays there until the end.
+        planned = gradients.home_device(model.trainable_variables) if self.options.ship_gradients else None
         carry = shipped = None
         if ring is not None and planned is not None:
             total = tf.add_n([tf.cast(step_report.batch_examples(b), tf.float64)
@@ -236,7 +238,7 @@ class WorkerStep:
         writes, the step's logs, the metrics' new state, skipped, home,
         ready)`; skipped is a float64 0/1 tensor when the policy gated the
         update, else `None`; home is the device the update ran on when the
-        gradients were shipped there (`update.ship_gradients`), else `None`;
+        gradients were shipped there (`gradients.ship_gradients`), else `None`;
         ready are the gradients as the worker computed them. With `carry`, a
         function of `(step logs, metrics' state, ready)` giving a float64
         vector (or `None`), that vector travels with shipped gradients and is
@@ -279,13 +281,13 @@ class WorkerStep:
                 now = tf.timestamp()
             ready = faults.slow_down(worker, now - step_start, now) or ready
             with tf.control_dependencies(ready):
-                grads = update.identity_all(grads)
+                grads = gradients.identity_all(grads)
         # When every weight lives on one parameter server, the gradients go
         # there in one transfer and the whole update (claim, non-finite
         # check, optimizer math) runs there on local tensors: one transfer
         # per gradient and the learning rate's fewer.
         computed = ready
-        home = update.home_device(variables) if self.options.ship_gradients else None
+        home = gradients.home_device(variables) if self.options.ship_gradients else None
         metric_ids = {id(v) for v in metric_vars}
         state = [(v, scope.get_current_value(v)) for v in model.variables
                  if id(v) not in metric_ids and scope.get_current_value(v) is not None]
@@ -293,7 +295,7 @@ class WorkerStep:
         shipped = None
         if home is not None:
             extra = carry(step_logs, metrics, computed) if carry and not state else None
-            grads, shipped = update.ship_gradients(grads, home, extra=extra)
+            grads, shipped = gradients.ship_gradients(grads, home, extra=extra)
             ready = [t for t in tf.nest.flatten(grads, expand_composites=True)
                      if t is not None]
         with tf.device(home) if home is not None else contextlib.nullcontext():
