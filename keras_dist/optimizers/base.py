@@ -25,6 +25,7 @@ import warnings
 import keras
 import tensorflow as tf
 
+from keras_dist import _compat
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 from keras_dist.training import gradients
 from keras_dist.training import nonfinite
@@ -162,7 +163,7 @@ class StalenessAwareOptimizer(keras.optimizers.Optimizer):
             self._warn_unknown_staleness()
             return self.inner_optimizer.apply(grads, trainable_variables)
         staleness = tf.cast(update.staleness, tf.float32)
-        variables = trainable_variables or self._trainable_variables
+        variables = trainable_variables or _compat.built_variables(self)
         extra = {"worker": update.worker} if self.needs_worker else {}
         new_grads, keep = self.transform(list(grads), list(variables), staleness,
                                          update.pulled, **extra)

@@ -3,6 +3,7 @@
 import keras
 import tensorflow as tf
 
+from keras_dist import _compat
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 from keras_dist.training import update as update_lib
 from keras_dist.optimizers.base import StalenessAwareOptimizer, _chain
@@ -129,7 +130,7 @@ class DANA(StalenessAwareOptimizer):
             if g is None:
                 out.append(None)
                 continue
-            slot = self.velocities[self._get_variable_index(variable)].value
+            slot = self.velocities[_compat.variable_index(self, variable)].value
             g = tf.convert_to_tensor(g)
             velocity = self.momentum * tf.gather(slot, worker) + g[None]
             slot.scatter_update(tf.IndexedSlices(velocity, worker))
@@ -146,10 +147,10 @@ class DANA(StalenessAwareOptimizer):
         Returns:
             A list of tensors, one per variable.
         """
-        variables = variables or self._trainable_variables
+        variables = variables or _compat.built_variables(self)
         eta = tf.cast(self.learning_rate, tf.float32)
         return [v.value + tf.cast(eta * self.momentum, v.dtype)
-                * tf.reduce_sum(self.velocities[self._get_variable_index(v)].value, axis=0)
+                * tf.reduce_sum(self.velocities[_compat.variable_index(self, v)].value, axis=0)
                 for v in variables]
 
     def get_config(self):

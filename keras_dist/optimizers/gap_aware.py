@@ -3,6 +3,7 @@
 import keras
 import tensorflow as tf
 
+from keras_dist import _compat
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 from keras_dist.optimizers.base import StalenessAwareOptimizer, check_pulled
 
@@ -114,7 +115,7 @@ class GapAware(StalenessAwareOptimizer):
             if g is None:
                 out.append(None)
                 continue
-            i = self._get_variable_index(variable)
+            i = _compat.variable_index(self, variable)
             g = tf.convert_to_tensor(g)
             step = g
             if self.measure == "momentum":
@@ -149,7 +150,7 @@ class GapAware(StalenessAwareOptimizer):
             # give back the part the penalty takes off: lr * wd * w * (1 - 1/G).
             if self._decay_fixes and wd:
                 for variable, w_now, penalty in self._decay_fixes:
-                    if base._use_weight_decay(variable):
+                    if _compat.uses_weight_decay(base, variable):
                         variable.assign_add(tf.cast(lr * wd, w_now.dtype) * w_now
                                             * (1.0 - 1.0 / penalty))
             return result

@@ -15,23 +15,10 @@ checks the result against the optimizer's stateful `apply` for SGD,
 momentum, Nesterov, Adam and AdamW.
 """
 
-import contextlib
-
 import keras
 
+from keras_dist import _compat
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
-
-_NEUTRAL = ("assign", "assign_add", "assign_sub", "_backend_update_step",
-            "_apply_weight_decay", "_backend_increment_gradient_accumulators")
-
-
-def _base_class(optimizer):
-    # The most basic class defining stateless_apply (the backend's subclass
-    # overrides it to raise).
-    for cls in reversed(type(optimizer).__mro__):
-        if "stateless_apply" in cls.__dict__ and "_backend_update_step" in cls.__dict__:
-            return cls
-    raise TypeError(f"{type(optimizer).__name__} has no backend-neutral stateless_apply.")
 
 
 def supports(optimizer):
@@ -42,28 +29,7 @@ def supports(optimizer):
         return False
     if getattr(optimizer, "inner_optimizer", None) is not None:
         return False
-    try:
-        _base_class(optimizer)
-    except TypeError:
-        return False
-    return True
-
-
-@contextlib.contextmanager
-def _neutral(optimizer):
-    base = _base_class(optimizer)
-    # Keys of the optimizer's slot table, computed outside the scope (the
-    # TensorFlow key reads the tf.Variable, which a scope replaces by a tensor).
-    keys = {id(v): optimizer._var_key(v) for v in optimizer._trainable_variables}
-    patched = {name: base.__dict__[name].__get__(optimizer) for name in _NEUTRAL
-               if name in base.__dict__}
-    patched["_var_key"] = lambda variable: keys[id(variable)]
-    optimizer.__dict__.update(patched)
-    try:
-        yield
-    finally:
-        for name in patched:
-            optimizer.__dict__.pop(name, None)
+    return _compat.neutral_optimizer_class(optimizer) is not None
 
 
 def stateless_apply(optimizer, optimizer_variables, grads, trainable_variables):
@@ -91,7 +57,12 @@ def stateless_apply(optimizer, optimizer_variables, grads, trainable_variables):
     >>> new_w[0].numpy().tolist(), w.numpy().tolist()
     ([0.5, 1.5], [1.0, 2.0])
     """
-    base = _base_class(optimizer)
-    with _neutral(optimizer):
+    base = _compat.neutral_optimizer_class(optimizer)
+    if base is None:
+        raise TypeError(f"{type(optimizer).__name__} has no backend-neutral stateless_apply.")
+    # The slot table's keys are taken outside the scope (the TensorFlow key
+    # reads the tf.Variable, which the scope replaces by a tensor).
+    with _compat.stateless_variable_keys(optimizer), \
+            _compat.instance_methods(optimizer, **_compat.neutral_methods(optimizer)):
         return base.stateless_apply(optimizer, list(optimizer_variables), list(grads),
                                     list(trainable_variables))

@@ -31,6 +31,7 @@ from typing import Any, Optional
 import keras
 import tensorflow as tf
 
+from keras_dist import _compat
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 
 _hooks = threading.local()
@@ -56,11 +57,8 @@ def intercept_apply(optimizer):
             return original(grads, trainable_variables)
         return hook(original, list(grads), trainable_variables)
 
-    optimizer.__dict__["apply"] = apply
-    try:
+    with _compat.instance_methods(optimizer, apply=apply):
         yield
-    finally:
-        optimizer.__dict__.pop("apply", None)
 
 
 @contextlib.contextmanager
@@ -75,23 +73,18 @@ def atomic_iterations(optimizer):
     lost count. A chain with a `LossScaleOptimizer` (which updates its
     state in `keras.StatelessScope`s) is left as it is.
     """
-    patched = []
-    if not any(_scoped_state(o) for o in optimizer_chain(optimizer)):
-        for o in optimizer_chain(optimizer):
-            counter = getattr(o, "iterations", None)
-            if counter is None or "assign_add" in counter.__dict__:
-                continue
+    with contextlib.ExitStack() as stack:
+        if not any(_scoped_state(o) for o in optimizer_chain(optimizer)):
+            for o in optimizer_chain(optimizer):
+                counter = getattr(o, "iterations", None)
+                if counter is None or _compat.has_instance_method(counter, "assign_add"):
+                    continue
 
-            def assign_add(value, counter=counter):
-                return counter.value.assign_add(tf.cast(value, counter.value.dtype))
+                def assign_add(value, counter=counter):
+                    return counter.value.assign_add(tf.cast(value, counter.value.dtype))
 
-            counter.__dict__["assign_add"] = assign_add
-            patched.append(counter)
-    try:
+                stack.enter_context(_compat.instance_methods(counter, assign_add=assign_add))
         yield
-    finally:
-        for counter in patched:
-            counter.__dict__.pop("assign_add", None)
 
 
 def gateable(optimizer):
@@ -152,22 +145,12 @@ def gated_writes(optimizer, keep):
         return counter.value.assign_add(tf.cast(keep, counter.value.dtype)
                                         * tf.cast(value, counter.value.dtype))
 
-    optimizer.__dict__.update(
-        assign=assign,
-        assign_add=lambda variable, value: original["assign_add"](variable, gate(value, zeros)),
-        assign_sub=lambda variable, value: original["assign_sub"](variable, gate(value, zeros)))
-    had_count = "assign_add" in counter.__dict__
-    previous = counter.__dict__.get("assign_add")
-    counter.__dict__["assign_add"] = count
-    try:
+    with _compat.instance_methods(
+            optimizer, assign=assign,
+            assign_add=lambda variable, value: original["assign_add"](variable, gate(value, zeros)),
+            assign_sub=lambda variable, value: original["assign_sub"](variable, gate(value, zeros))), \
+            _compat.instance_methods(counter, assign_add=count):
         yield
-    finally:
-        for name in ("assign", "assign_add", "assign_sub"):
-            optimizer.__dict__.pop(name, None)
-        if had_count:
-            counter.__dict__["assign_add"] = previous
-        else:
-            counter.__dict__.pop("assign_add", None)
 
 
 def _scoped_state(optimizer):
@@ -189,7 +172,6 @@ def _thread_value(local, name, value):
         yield
     finally:
         setattr(local, name, previous)
-
 
 
 def optimizer_chain(optimizer):
