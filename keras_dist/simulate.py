@@ -272,7 +272,6 @@ def fit(model, x, y, *, workers, epochs=1, batch_size=32, validation_data=None,
     (2, 4)
     """
     from keras_dist.training import update as update_lib
-    from keras_dist.optimizers.base import staleness_aware_in
 
     steps_per_epoch = len(x) // batch_size
     if steps_per_epoch < 1:
@@ -289,7 +288,6 @@ def fit(model, x, y, *, workers, epochs=1, batch_size=32, validation_data=None,
     optimizer = model.optimizer
     _set_workers(optimizer, workers)
     optimizer.build(model.trainable_variables)
-    aware = staleness_aware_in(optimizer)
     variables = model.trainable_variables
 
     @tf.function(reduce_retracing=True)
@@ -303,9 +301,8 @@ def fit(model, x, y, *, workers, epochs=1, batch_size=32, validation_data=None,
 
     @tf.function(reduce_retracing=True)
     def apply(grads, pulled, tau, worker):
-        info = update_lib.UpdateInfo(tau, pulled, worker) if aware is not None else None
-        with update_lib.providing(info):
-            optimizer.apply(grads, variables)
+        update_lib.apply_with(update_lib.UpdateInfo(tau, pulled, worker), optimizer.apply,
+                              grads, variables)
 
     def snapshot():
         return [tf.identity(v.value) for v in variables]
@@ -327,7 +324,6 @@ def _fit_local(model, x, y, *, workers, epochs, batch_size, validation_data, see
     """`fit` with local steps: each scheduled update is one push of k steps."""
     from keras_dist.training import stateless
     from keras_dist.training import update as update_lib
-    from keras_dist.optimizers.base import StalenessAwareOptimizer
 
     optimizer = model.optimizer
     if not stateless.supports(optimizer):
@@ -366,12 +362,7 @@ def _fit_local(model, x, y, *, workers, epochs, batch_size, validation_data, see
                 v.assign_add(d)
         else:
             info = update_lib.UpdateInfo(tau, pulled, worker)
-            pseudo = [-d for d in delta]
-            if isinstance(outer, StalenessAwareOptimizer):
-                outer.apply(pseudo, variables, update=info)
-            else:
-                with update_lib.providing(info):
-                    outer.apply(pseudo, variables)
+            update_lib.apply_with(info, outer.apply, [-d for d in delta], variables)
         for v, d, new in zip(opt_vars, opt_delta, opt_new):
             if new.dtype.is_floating:
                 v.assign(new)  # slots: the pushing worker's (as local_steps)

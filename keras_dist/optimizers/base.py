@@ -6,20 +6,22 @@ wrapper) and forwards everything to it, in the manner of Keras'
 the staleness tau of the update and, for the wrappers that need it, the exact
 weights the worker read for this gradient ("pulled" weights).
 
-The asynchronous executor passes both in as data of the update, a
-`keras_dist.training.update.UpdateInfo`: as `apply(grads, variables, update=info)`
-when the wrapper is the outermost optimizer, or through
-`keras_dist.training.update.providing(info)` when a `LossScaleOptimizer` (mixed
-precision), which does not forward extra arguments, sits outside it. A
-wrapper hands the same `update` explicitly to a wrapper inside it. Outside
-asynchronous training the staleness is unknown: the wrapper warns once and
-behaves exactly as its inner optimizer.
+Both come as the data of the update, a `keras_dist.training.update.UpdateInfo`,
+through one channel: whoever applies the update (the asynchronous executor,
+local steps, `keras_dist.simulate`) calls
+`keras_dist.training.update.apply_with(info, optimizer.apply, grads, variables)`,
+and every wrapper of the chain reads it with `update.current_update()`, with
+a `LossScaleOptimizer` (mixed precision), which passes nothing on, outside
+it too. `wrapper.apply(grads, variables, update=info)` is the same, for one
+call. Outside asynchronous training the staleness is unknown: the wrapper
+warns once and behaves exactly as its inner optimizer.
 
 Base-optimizer arguments (`clipnorm`, `use_ema`, `weight_decay`, ...)
 belong to the inner optimizer, which applies the update; a wrapper refuses
 them with an error that says so, as Keras' `LossScaleOptimizer` does.
 """
 
+import dataclasses
 import warnings
 
 import keras
@@ -40,10 +42,11 @@ BASE_OPTIMIZER_ARGUMENTS = (
 class StalenessAwareOptimizer(keras.optimizers.Optimizer):
     """Base class: wraps an optimizer and transforms gradients by staleness.
 
-    Subclasses implement `transform(grads, variables, staleness, pulled)`,
-    returning the gradients to apply and a boolean tensor (or `None`) saying
-    whether to apply them at all. With staleness 0 every subclass must
-    return the gradients unchanged.
+    Subclasses implement `transform(grads, variables, update)`, where
+    `update` is the update's `UpdateInfo` (its `staleness` a float32
+    tensor), returning the gradients to apply and a boolean tensor (or
+    `None`) saying whether to apply them at all. With staleness 0 every
+    subclass must return the gradients unchanged.
 
     Args:
         inner_optimizer: A `keras.optimizers.Optimizer` (or another wrapper).
@@ -65,10 +68,12 @@ class StalenessAwareOptimizer(keras.optimizers.Optimizer):
     """
 
     needs_pulled_weights = False
-    """Whether `transform` uses the weights the worker read (DC-ASGD, Gap-Aware)."""
+    """Whether `transform` uses the weights the worker read (DC-ASGD, Gap-Aware):
+    the executor reads them only then."""
 
     needs_worker = False
-    """Whether `transform` takes the update's worker index (`worker=`; DANA)."""
+    """Whether `transform` uses the update's worker (DANA): it keeps state per
+    worker, for `workers` of them."""
 
     family = None
     """Wrappers of one family (e.g. "scaling") must not be nested in each other."""
@@ -149,37 +154,31 @@ class StalenessAwareOptimizer(keras.optimizers.Optimizer):
             grads: List of gradient tensors.
             trainable_variables: List of variables, or `None` for those the
                 optimizer was built with.
-            update: `keras_dist.training.update.UpdateInfo` or `None` for the one
-                provided by the executor (`keras_dist.training.update.providing`);
-                none at all outside asynchronous training.
+            update: `keras_dist.training.update.UpdateInfo`, or `None` for the
+                current update (`keras_dist.training.update.apply_with`); none
+                at all outside asynchronous training.
         """
+        if update is not None:
+            return update_lib.apply_with(update, self.apply, grads, trainable_variables)
         if not self.built:
             with tf.name_scope(self.name):
                 self.build(trainable_variables)
             self.built = True
-        if update is None:
-            update = update_lib.current_update()
+        update = update_lib.current_update()
         if update is None:
             self._warn_unknown_staleness()
             return self.inner_optimizer.apply(grads, trainable_variables)
-        staleness = tf.cast(update.staleness, tf.float32)
         variables = trainable_variables or _compat.built_variables(self)
-        extra = {"worker": update.worker} if self.needs_worker else {}
-        new_grads, keep = self.transform(list(grads), list(variables), staleness,
-                                         update.pulled, **extra)
-        inner = self.inner_optimizer
+        new_grads, keep = self.transform(list(grads), list(variables), _float_staleness(update))
 
         def apply_inner(grads, variables):
-            if isinstance(inner, StalenessAwareOptimizer):
-                inner.apply(grads, variables, update=update)
-            else:
-                inner.apply(grads, variables)
+            update_lib.apply_with(update, self.inner_optimizer.apply, grads, variables)
 
         if keep is None:
             apply_inner(new_grads, trainable_variables)
             return None
         nonfinite.apply_if(keep, apply_inner, new_grads, trainable_variables,
-                            lambda: _dropped(self))
+                           lambda: _dropped(self))
         return None
 
     unknown_staleness_means = None
@@ -196,8 +195,11 @@ class StalenessAwareOptimizer(keras.optimizers.Optimizer):
             f"asynchronous parameter-server training), so {means}.", stacklevel=3)
         self._warned = True
 
-    def transform(self, grads, variables, staleness, pulled):
-        """Returns `(grads, keep)`; `keep` is a bool tensor or `None` (always)."""
+    def transform(self, grads, variables, update):
+        """Returns `(grads, keep)`; `keep` is a bool tensor or `None` (always).
+
+        `update` is the update's `UpdateInfo`, its `staleness` a float32 tensor.
+        """
         raise NotImplementedError
 
     # ---------------------------------------------------------- bookkeeping
@@ -277,6 +279,10 @@ def staleness_aware_in(optimizer):
 
 
 _chain = update_lib.optimizer_chain
+
+
+def _float_staleness(update):
+    return dataclasses.replace(update, staleness=tf.cast(update.staleness, tf.float32))
 
 
 def _dropped(wrapper):

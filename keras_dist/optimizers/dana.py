@@ -119,7 +119,8 @@ class DANA(StalenessAwareOptimizer):
             update = update_lib.UpdateInfo(staleness=0, worker=0)  # one process: worker 0
         return super().apply(grads, trainable_variables, update=update)
 
-    def transform(self, grads, variables, staleness, pulled, worker=None):
+    def transform(self, grads, variables, update):
+        worker = update.worker
         if worker is None:
             raise ValueError("DANA needs the worker of each update; AsyncModel gives it "
                              "under parameter servers, and simulate.fit in simulation. "

@@ -86,7 +86,8 @@ class DCASGD(StalenessAwareOptimizer):
             self._mean_squares = [self.add_variable_from_reference(v, "mean_square")
                                   for v in var_list]
 
-    def transform(self, grads, variables, staleness, pulled):
+    def transform(self, grads, variables, update):
+        pulled = update.pulled
         check_pulled("DCASGD", "corrects each gradient by how far its weight moved since "
                      "the worker read it (w_now - w_pulled)", pulled, variables)
         out, ratios = [], []

@@ -40,7 +40,7 @@ class DynSGD(StalenessAwareOptimizer):
     def __init__(self, inner_optimizer, name="dyn_sgd", **kwargs):
         super().__init__(inner_optimizer, name=name, **kwargs)
 
-    def transform(self, grads, variables, staleness, pulled):
-        scale = 1.0 / (staleness + 1.0)
+    def transform(self, grads, variables, update):
+        scale = 1.0 / (update.staleness + 1.0)
         self.record_scale(scale)
         return scale_gradients(grads, scale), None

@@ -104,7 +104,8 @@ class GapAware(StalenessAwareOptimizer):
         self._updates = self._scalar("gap_updates")
         self._eta_max = self._scalar("eta_max")
 
-    def transform(self, grads, variables, staleness, pulled):
+    def transform(self, grads, variables, update):
+        pulled = update.pulled
         check_pulled("GapAware", "measures how far each weight moved since the worker "
                      "read it", pulled, variables)
         t = self._updates.value.assign_add(1.0)
@@ -139,13 +140,15 @@ class GapAware(StalenessAwareOptimizer):
         return out, None
 
     def apply(self, grads, trainable_variables=None, update=None):
+        if update is not None:  # made the current update first
+            return super().apply(grads, trainable_variables, update=update)
         self._decay_fixes = []
         base = _base(self.inner_optimizer)
         wd = getattr(base, "weight_decay", None) if self.scale_weight_decay else None
         if wd:  # the rate the inner optimizer decays with (before it counts this step)
             lr = tf.cast(base.learning_rate, tf.float32)
         try:
-            result = super().apply(grads, trainable_variables, update=update)
+            result = super().apply(grads, trainable_variables)
             # The inner optimizer decayed each weight by lr * wd * w in full;
             # give back the part the penalty takes off: lr * wd * w * (1 - 1/G).
             if self._decay_fixes and wd:

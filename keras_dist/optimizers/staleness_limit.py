@@ -50,8 +50,8 @@ class StalenessLimit(StalenessAwareOptimizer):
         super().__init__(inner_optimizer, name=name, **kwargs)
         self.max_staleness = max_staleness
 
-    def transform(self, grads, variables, staleness, pulled):
-        return grads, staleness <= tf.cast(self.max_staleness, staleness.dtype)
+    def transform(self, grads, variables, update):
+        return grads, update.staleness <= tf.cast(self.max_staleness, update.staleness.dtype)
 
     def get_config(self):
         return {**super().get_config(), "max_staleness": self.max_staleness}

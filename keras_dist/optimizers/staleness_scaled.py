@@ -41,7 +41,7 @@ class StalenessScaled(StalenessAwareOptimizer):
     def __init__(self, inner_optimizer, name="staleness_scaled", **kwargs):
         super().__init__(inner_optimizer, name=name, **kwargs)
 
-    def transform(self, grads, variables, staleness, pulled):
-        scale = 1.0 / tf.maximum(staleness, 1.0)
+    def transform(self, grads, variables, update):
+        scale = 1.0 / tf.maximum(update.staleness, 1.0)
         self.record_scale(scale)
         return scale_gradients(grads, scale), None

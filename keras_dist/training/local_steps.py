@@ -37,6 +37,8 @@ of the same optimizer (the push adds `w_k - w_0` to `w_0`: equal up to one
 float rounding).
 """
 
+import functools
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -308,17 +310,9 @@ def _push(state, outer, trainable, delta, opt_vars, opt, opt0, non_trainable, nt
                 writes.append(v.value.assign_add(tf.where(finite, d, tf.zeros_like(d))))
         else:
             info = update.UpdateInfo(staleness=tau, pulled=pulled, worker=worker)
-
-            def apply_fn(grads, variables):
-                if isinstance(outer, StalenessAwareOptimizer):
-                    outer.apply(grads, variables, update=info)
-                    return
-                with update.providing(info):
-                    outer.apply(grads, variables)
-
             pseudo = [-d for d in delta]
-            gated = policy.apply(apply_fn, pseudo, trainable, finite=finite, optimizer=outer,
-                                 gate=True)
+            gated = policy.apply(functools.partial(update.apply_with, info, outer.apply),
+                                 pseudo, trainable, finite=finite, optimizer=outer, gate=True)
             if gated is None:  # counted by the policy itself
                 skipped = tf.constant(0.0, tf.float64)
         writes += _state_writes(opt_vars, opt, opt0, non_trainable, nt, nt0, finite)

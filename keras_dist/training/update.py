@@ -13,10 +13,10 @@ tracing, to add what distributed training needs around the optimizer:
   how an optimizer writes its state (an atomic step count on parameter
   servers; writes that a non-finite update turns into no-ops).
 - `UpdateInfo` is the data of one asynchronous update -- its staleness, the
-  weights the worker pulled, the worker -- handed to staleness-aware
-  optimizers (`keras_dist.optimizers`) as an argument, or through
-  `providing(info)` across optimizers that do not forward it (Keras'
-  `LossScaleOptimizer`).
+  weights the worker pulled, the worker -- for staleness-aware optimizers
+  (`keras_dist.optimizers`). It has one channel: `apply_with(info, apply,
+  ...)` applies an update with `info` as the current update, which every
+  optimizer of the chain reads with `current_update()`.
 
 What surrounds the update lives beside it: the non-finite policy in
 `keras_dist.training.nonfinite`, clipping, scaling and shipping of
@@ -187,6 +187,12 @@ def optimizer_chain(optimizer):
 class UpdateInfo:
     """The data of one asynchronous update, for staleness-aware optimizers.
 
+    It reaches them through one channel, like optax's `extra_args`: the
+    update that `apply_with(info, ...)` applies (or `providing(info)`'s
+    block) is the current one, and every optimizer of the chain reads it
+    with `current_update()` -- across optimizers that pass nothing on
+    (Keras' `LossScaleOptimizer`) too.
+
     Attributes:
         staleness: Integer scalar tensor (or int). Updates other workers
             applied between this step reading the weights and applying its
@@ -197,9 +203,8 @@ class UpdateInfo:
 
     Example:
 
-    >>> from keras_dist.training.update import UpdateInfo, providing, current_update
-    >>> with providing(UpdateInfo(staleness=3)):
-    ...     current_update().staleness
+    >>> from keras_dist.training.update import UpdateInfo, apply_with, current_update
+    >>> apply_with(UpdateInfo(staleness=3), lambda: current_update().staleness)
     3
     >>> current_update() is None
     True
@@ -213,16 +218,34 @@ class UpdateInfo:
 _updates = threading.local()
 
 
-def providing(info):
-    """Makes `info` the current update for optimizers applied in the block.
+def apply_with(info, apply, *args):
+    """Returns `apply(*args)`, run with `info` as the current update.
 
-    Used where an optimizer that does not forward `update=` (Keras'
-    `LossScaleOptimizer`) sits between the executor and a staleness-aware
-    wrapper. The value is per thread and ends with the block.
+    The one way an update's data reaches optimizers: every caller that
+    applies an update with an `UpdateInfo` -- the asynchronous step on the
+    workers, a push of local steps, each local step, `keras_dist.simulate`,
+    a wrapper handing the update to the optimizer it wraps -- calls
+    `apply_with(info, optimizer.apply, grads, variables)` (or
+    `stateless_apply`), whatever the optimizer is. `info` may be `None`
+    (no update data).
+
+    Args:
+        info: `UpdateInfo` or `None`.
+        apply: The function that applies the update.
+        *args: Its arguments.
+    """
+    with providing(info):
+        return apply(*args)
+
+
+def providing(info):
+    """Makes `info` the current update in the block (see `apply_with`).
+
+    The value is per thread and ends with the block.
     """
     return _thread_value(_updates, "info", info)
 
 
 def current_update():
-    """The `UpdateInfo` provided by the enclosing `providing` block, or `None`."""
+    """The `UpdateInfo` of the update being applied (`apply_with`), or `None`."""
     return getattr(_updates, "info", None)

@@ -13,6 +13,7 @@ the non-finite policy's counters, which outlive one `fit`.
 """
 
 import contextlib
+import functools
 
 import keras
 import tensorflow as tf
@@ -305,16 +306,8 @@ class WorkerStep:
                 one = tf.ones([], tf.int64)
             tau = self.version.claim(read, one)
             info = update.UpdateInfo(staleness=tau, pulled=pulled, worker=worker)
-
-            def apply_fn(grads, variables):
-                if isinstance(optimizer, StalenessAwareOptimizer):
-                    original(grads, variables, update=info)
-                    return
-                with update.providing(info):  # through a LossScaleOptimizer
-                    original(grads, variables)
-
-            skipped = self.policy.apply(apply_fn, grads, variables, optimizer=optimizer,
-                                        gate=True)
+            skipped = self.policy.apply(functools.partial(update.apply_with, info, original),
+                                        grads, variables, optimizer=optimizer, gate=True)
 
         writes = [v.value.assign(new) for v, new in state]  # last write wins
         if carry is not None:
