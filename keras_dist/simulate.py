@@ -324,18 +324,21 @@ def _fit_local(model, x, y, *, workers, epochs, batch_size, validation_data, see
     """`fit` with local steps: each scheduled update is one push of k steps."""
     from keras_dist.training import stateless
     from keras_dist.training import update as update_lib
+    from keras_dist.training.local_steps import step_on_copy
 
     optimizer = model.optimizer
     if not stateless.supports(optimizer):
         raise ValueError(
-            f"Local steps need a plain Keras optimizer on the model; got "
-            f"{type(optimizer).__name__} (pass a staleness-aware wrapper as outer_optimizer).")
+            "Local steps need an optimizer that steps on tensors on the model: a Keras "
+            f"optimizer, or a staleness-aware wrapper around one; got "
+            f"{type(optimizer).__name__}.")
     pushes_per_epoch = (len(x) // batch_size) // k
     if pushes_per_epoch < 1:
         raise ValueError(f"local_steps={k} batches of {batch_size} need more than the "
                          f"{len(x)} samples.")
     sched = schedule(workers, epochs * pushes_per_epoch, seed=seed, **schedule_kwargs)
     variables = model.trainable_variables
+    _set_workers(optimizer, workers)
     optimizer.build(variables)
     if outer is not None:
         _set_workers(outer, workers)
@@ -343,7 +346,7 @@ def _fit_local(model, x, y, *, workers, epochs, batch_size, validation_data, see
     opt_vars = list(optimizer.variables)
 
     @tf.function(reduce_retracing=True)
-    def local_round(weights, opt_state, state, xs, ys):
+    def local_round(weights, opt_state, state, xs, ys, worker):
         losses = []
         for j in range(k):
             with tf.GradientTape() as tape:
@@ -351,7 +354,7 @@ def _fit_local(model, x, y, *, workers, epochs, batch_size, validation_data, see
                 y_pred, state = model.stateless_call(weights, state, xs[j], training=True)
                 loss = model.compute_loss(x=xs[j], y=ys[j], y_pred=y_pred, training=True)
             grads = tape.gradient(loss, weights)
-            weights, opt_state = stateless.stateless_apply(optimizer, opt_state, grads, weights)
+            weights, opt_state = step_on_copy(optimizer, opt_state, grads, weights, worker)
             losses.append(loss)
         return tf.reduce_mean(tf.stack(losses)), weights, opt_state, state
 
@@ -385,7 +388,8 @@ def _fit_local(model, x, y, *, workers, epochs, batch_size, validation_data, see
         start = pulled
         if elastic is not None:
             start = copies.setdefault(int(worker), initial)
-        loss, weights, opt_state, new_state = local_round(start, pulled_opt, state, xs, ys)
+        loss, weights, opt_state, new_state = local_round(start, pulled_opt, state, xs, ys,
+                                                          worker)
         for variable, value in zip(model.non_trainable_variables, new_state):
             variable.assign(value)
         if elastic is not None:  # e = alpha (x_i - centre as read); both move by e

@@ -125,7 +125,13 @@ class StalenessAwareOptimizer(keras.optimizers.Optimizer):
 
     @property
     def variables(self):
-        return self._variables + self.inner_optimizer.variables
+        """The wrapper's own variables, then its inner optimizer's."""
+        return self.own_variables + self.inner_optimizer.variables
+
+    @property
+    def own_variables(self):
+        """The wrapper's own variables (its state and counters)."""
+        return list(super().variables)
 
     @property
     def learning_rate(self):
@@ -169,10 +175,12 @@ class StalenessAwareOptimizer(keras.optimizers.Optimizer):
             self._warn_unknown_staleness()
             return self.inner_optimizer.apply(grads, trainable_variables)
         variables = trainable_variables or _compat.built_variables(self)
-        new_grads, keep = self.transform(list(grads), list(variables), _float_staleness(update))
+        new_grads, keep, after = self._transform(grads, variables, update)
 
         def apply_inner(grads, variables):
             update_lib.apply_with(update, self.inner_optimizer.apply, grads, variables)
+            for variable, delta in after:
+                variable.assign_add(delta)
 
         if keep is None:
             apply_inner(new_grads, trainable_variables)
@@ -180,6 +188,85 @@ class StalenessAwareOptimizer(keras.optimizers.Optimizer):
         nonfinite.apply_if(keep, apply_inner, new_grads, trainable_variables,
                            lambda: _dropped(self))
         return None
+
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        """`apply` on tensors: Keras' stateless form (see
+        `keras.optimizers.Optimizer.stateless_apply`), over the inner
+        optimizer's, as Keras' `LossScaleOptimizer` implements it.
+
+        The update's data is the current update
+        (`keras_dist.training.update.apply_with`); local steps give each
+        step on a worker's copy staleness 0 (nothing else writes the copy).
+
+        Args:
+            optimizer_variables: Tensors, one per `self.variables` (the
+                wrapper's own, then its inner optimizer's).
+            grads: Gradient tensors, one per variable it was built with.
+            trainable_variables: Tensors, the current trainable values.
+
+        Returns:
+            `(new trainable values, new optimizer values)`, lists of tensors;
+            an entry the step did not change is the input tensor itself.
+        """
+        from keras_dist.training import stateless
+
+        if not self.built:
+            raise ValueError(
+                f"To call `stateless_apply`, {type(self).__name__} must be built (its "
+                "variables created): call `optimizer.build(trainable_variables)`.")
+        own_variables = self.own_variables
+        optimizer_variables = list(optimizer_variables)
+        own = optimizer_variables[:len(own_variables)]
+        inner = optimizer_variables[len(own_variables):]
+        update = update_lib.current_update()
+        if update is None:
+            self._warn_unknown_staleness()
+            new_values, new_inner = stateless.stateless_apply(
+                self.inner_optimizer, inner, grads, trainable_variables)
+            return new_values, own + list(new_inner)
+        variables = _compat.built_variables(self)
+        mapping = (list(zip(variables, trainable_variables))
+                   + list(zip(self.variables, optimizer_variables)))
+        # The slot table's keys are taken before the scope replaces the variables.
+        with _compat.stateless_variable_keys(*_chain(self)), \
+                keras.StatelessScope(state_mapping=mapping) as scope:
+            new_grads, keep, after = self._transform(grads, variables, update)
+            gated = keep is not None and not _always(keep)
+            if gated:
+                add(self._dropped, tf.cast(tf.logical_not(keep), tf.float32))
+        new_own = [scope.get_current_value(v) for v in own_variables]
+        new_values, new_inner = update_lib.apply_with(
+            update, stateless.stateless_apply, self.inner_optimizer, inner, new_grads,
+            trainable_variables)
+        new_values, new_inner = list(new_values), list(new_inner)
+        index = {id(v): i for i, v in enumerate(variables)}
+        for variable, delta in after:
+            i = index[id(variable)]
+            new_values[i] = new_values[i] + delta
+        if gated:  # a dropped update changes nothing but the count of drops
+            new_values = [tf.where(keep, new, old)
+                          for new, old in zip(new_values, trainable_variables)]
+            new_inner = [tf.where(keep, new, old) for new, old in zip(new_inner, inner)]
+        return new_values, new_own + new_inner
+
+    def _transform(self, grads, variables, update):
+        """`transform`, and what to add to which weights once the inner
+        optimizer has applied the update (`add_after_update`)."""
+        after = []
+        # Set past Keras' (and TensorFlow's) attribute tracking, which would
+        # add the model's variables in the list to the optimizer's own.
+        object.__setattr__(self, "_after_update", after)
+        try:
+            new_grads, keep = self.transform(list(grads), list(variables),
+                                             _float_staleness(update))
+            return new_grads, keep, after
+        finally:
+            object.__setattr__(self, "_after_update", None)
+
+    def add_after_update(self, variable, delta):
+        """From `transform`: adds `delta` to the trainable `variable` once the
+        inner optimizer has applied this update (GapAware's weight decay)."""
+        self._after_update.append((variable, delta))
 
     unknown_staleness_means = None
     """What the wrapper does without an update's staleness, for the warning
@@ -217,8 +304,8 @@ class StalenessAwareOptimizer(keras.optimizers.Optimizer):
 
     def record_scale(self, scale):
         """Adds one update's mean applied scale / penalty to the epoch logs."""
-        return [self._scale_sum.value.assign_add(tf.cast(scale, tf.float32)),
-                self._scale_count.value.assign_add(1.0)]
+        return [add(self._scale_sum, tf.cast(scale, tf.float32)),
+                add(self._scale_count, 1.0)]
 
     def staleness_logs(self):
         """This wrapper's (and inner wrappers') epoch numbers, for the logs."""
@@ -281,12 +368,52 @@ def staleness_aware_in(optimizer):
 _chain = update_lib.optimizer_chain
 
 
+def write(variable, value):
+    """Assigns `value` to a wrapper's state `variable`; returns the new value.
+
+    TensorFlow's `assign` on the variable itself, or, in a
+    `keras.StatelessScope` (`stateless_apply`), the scope's new value.
+    """
+    current = variable.value
+    if hasattr(current, "assign"):
+        return current.assign(value)
+    return variable.assign(value)
+
+
+def add(variable, delta):
+    """Adds `delta` to a wrapper's state `variable`; returns the new value.
+
+    TensorFlow's atomic `assign_add` on the variable itself (on a parameter
+    server: no lost count, one transfer), or, in a `keras.StatelessScope`
+    (`stateless_apply`), the scope's new value.
+    """
+    current = variable.value
+    if hasattr(current, "assign_add"):
+        return current.assign_add(delta)
+    return variable.assign(current + delta)
+
+
+def write_rows(variable, indices, rows):
+    """Writes `rows` (one per index of the int32 vector `indices`) into a
+    wrapper's state `variable` along its first axis, as `write` does."""
+    current = variable.value
+    if hasattr(current, "scatter_update"):
+        return current.scatter_update(tf.IndexedSlices(rows, indices))
+    return variable.assign(tf.tensor_scatter_nd_update(current, indices[:, None], rows))
+
+
+def _always(keep):
+    """Whether the bool tensor `keep` is known to be true when traced."""
+    static = tf.get_static_value(keep)
+    return static is not None and bool(static)
+
+
 def _float_staleness(update):
     return dataclasses.replace(update, staleness=tf.cast(update.staleness, tf.float32))
 
 
 def _dropped(wrapper):
-    wrapper._dropped.value.assign_add(1.0)
+    add(wrapper._dropped, 1.0)
     return tf.constant(False)
 
 

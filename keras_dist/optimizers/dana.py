@@ -6,7 +6,7 @@ import tensorflow as tf
 from keras_dist import _compat
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 from keras_dist.training import update as update_lib
-from keras_dist.optimizers.base import StalenessAwareOptimizer, _chain
+from keras_dist.optimizers.base import StalenessAwareOptimizer, _chain, write_rows
 
 
 @keras.saving.register_keras_serializable(package="keras_dist")
@@ -131,10 +131,10 @@ class DANA(StalenessAwareOptimizer):
             if g is None:
                 out.append(None)
                 continue
-            slot = self.velocities[_compat.variable_index(self, variable)].value
+            slot = self.velocities[_compat.variable_index(self, variable)]
             g = tf.convert_to_tensor(g)
-            velocity = self.momentum * tf.gather(slot, worker) + g[None]
-            slot.scatter_update(tf.IndexedSlices(velocity, worker))
+            velocity = self.momentum * tf.gather(slot.value, worker) + g[None]
+            write_rows(slot, worker, velocity)
             out.append(g + self.momentum * velocity[0])
         return out, None
 

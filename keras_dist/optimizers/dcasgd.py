@@ -3,8 +3,9 @@
 import keras
 import tensorflow as tf
 
+from keras_dist import _compat
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
-from keras_dist.optimizers.base import StalenessAwareOptimizer, check_pulled
+from keras_dist.optimizers.base import StalenessAwareOptimizer, check_pulled, write
 
 MODES = ("constant", "adaptive")
 
@@ -91,15 +92,15 @@ class DCASGD(StalenessAwareOptimizer):
         check_pulled("DCASGD", "corrects each gradient by how far its weight moved since "
                      "the worker read it (w_now - w_pulled)", pulled, variables)
         out, ratios = [], []
-        for i, (g, variable, w_pulled) in enumerate(zip(grads, variables, pulled)):
+        for g, variable, w_pulled in zip(grads, variables, pulled):
             if g is None:
                 out.append(None)
                 continue
             g = tf.convert_to_tensor(g)
             if self.mode == "adaptive":
-                ms = self._mean_squares[i].value
-                new_ms = self.momentum * ms + (1.0 - self.momentum) * g * g
-                ms.assign(new_ms)
+                ms = self._mean_squares[_compat.variable_index(self, variable)]
+                new_ms = self.momentum * ms.value + (1.0 - self.momentum) * g * g
+                write(ms, new_ms)
                 lam = self.lambda0 / tf.sqrt(new_ms + self.epsilon)
             else:
                 lam = self.lambda_

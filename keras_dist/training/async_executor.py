@@ -47,7 +47,6 @@ Validation runs on the chief, reading the current weights from the
 parameter servers.
 """
 
-import contextlib
 import dataclasses
 import logging
 import threading
@@ -422,8 +421,10 @@ class AsyncExecutor(driver.Executor):
     def _schedule(self, fn):
         optimizer = self.model.optimizer
         while True:
-            counting = (contextlib.nullcontext() if self._local  # stateless: counted by delta
-                        else update.atomic_iterations(optimizer))
+            # With local steps the model's optimizer steps on tensors (its count
+            # is pushed as a change); the outer optimizer's counts atomically.
+            counting = update.atomic_iterations(self.outer_optimizer if self._local
+                                                else optimizer)
             try:
                 with update.intercept_apply(optimizer), counting, guard.finite_loss_only(
                         self.model, self.nonfinite_updates):

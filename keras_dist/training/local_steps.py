@@ -49,7 +49,6 @@ from keras_dist.training import gradients
 from keras_dist.training import stateless
 from keras_dist.training import step_report
 from keras_dist.training import update
-from keras_dist.optimizers.base import StalenessAwareOptimizer
 
 
 def check_args(local_steps, outer_optimizer, elastic=None):
@@ -108,7 +107,8 @@ def check_model(model, strategy, local):
     Raises:
         ValueError: for local steps under a synchronous strategy, together
             with `steps_per_execution` > 1, with a custom `train_step`, or
-            with an optimizer that cannot step on tensors.
+            with an optimizer that cannot step on tensors (a
+            `LossScaleOptimizer`).
     """
     local_steps = local.steps
     if not isinstance(strategy, tf.distribute.ParameterServerStrategy):
@@ -134,14 +134,12 @@ def check_model(model, strategy, local):
             "runs on every update), or move the custom logic into compute_loss.")
     optimizer = model.optimizer
     if not stateless.supports(optimizer):
-        hint = ""
-        if isinstance(optimizer, StalenessAwareOptimizer):
-            hint = (" A staleness-aware wrapper acts on pushes: pass it as "
-                    "outer_optimizer=kd.optimizers.DynSGD(keras.optimizers.SGD(1.0)) "
-                    "and compile the model with its inner optimizer.")
         raise ValueError(
-            f"Local steps need a plain Keras optimizer on the model (it steps on the "
-            f"worker's copy); got {type(optimizer).__name__}.{hint}")
+            "Local steps need an optimizer that steps on the worker's copy (on tensors): "
+            "a Keras optimizer, or a staleness-aware wrapper around one "
+            f"(kd.optimizers); got {type(optimizer).__name__}. A LossScaleOptimizer "
+            "(what Keras' compile adds under mixed_float16) cannot: train it with "
+            "local_steps=1.")
 
 
 def check_elastic(elastic, outer_optimizer):
@@ -236,7 +234,7 @@ def local_round(state, batches, worker, faults, outer_optimizer, elastic=None):
     for data in batches:
         w, nt, metrics, opt, logs = _local_step(model, optimizer, data, trainable, w,
                                                 non_trainable, nt, metric_vars, metrics,
-                                                opt, tracker)
+                                                opt, tracker, worker_index)
         examples += step_report.batch_examples(data)
     delta = [new - old for new, old in zip(w, start_from)]
     ready = list(delta)
@@ -269,7 +267,7 @@ def local_round(state, batches, worker, faults, outer_optimizer, elastic=None):
 
 
 def _local_step(model, optimizer, data, trainable, w, non_trainable, nt, metric_vars,
-                metrics, opt, tracker):
+                metrics, opt, tracker, worker):
     """Keras' default `train_step` on tensors: returns the new state."""
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     mapping = (list(zip(trainable, w)) + list(zip(non_trainable, nt))
@@ -285,10 +283,25 @@ def _local_step(model, optimizer, data, trainable, w, non_trainable, nt, metric_
                 tracker.update_state(loss, sample_weight=tf.shape(first)[0])
             logs = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
     grads = tape.gradient(loss, w)
-    w, opt = stateless.stateless_apply(optimizer, opt, grads, w)
+    w, opt = step_on_copy(optimizer, opt, grads, w, worker)
     nt = [_current(scope, v, old) for v, old in zip(non_trainable, nt)]
     metrics = [_current(scope, v, old) for v, old in zip(metric_vars, metrics)]
     return list(w), nt, metrics, list(opt), driver.flatten_logs(logs or {})
+
+
+def step_on_copy(optimizer, optimizer_state, grads, weights, worker):
+    """One local step's update of the worker's copy, on tensors: `(new
+    weights, new optimizer state)`.
+
+    The update has staleness 0 and the copy as its pulled weights: nothing
+    but this worker writes its copy. So a staleness-aware wrapper as the
+    model's optimizer steps exactly as its inner optimizer (DANA: as
+    Nesterov SGD with this worker's velocity); it corrects for staleness as
+    the outer optimizer, which applies whole pushes.
+    """
+    info = update.UpdateInfo(staleness=0, pulled=weights, worker=worker)
+    return update.apply_with(info, stateless.stateless_apply, optimizer, optimizer_state,
+                             grads, weights)
 
 
 def _push(state, outer, trainable, delta, opt_vars, opt, opt0, non_trainable, nt, nt0,
