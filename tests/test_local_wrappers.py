@@ -6,7 +6,9 @@ update, weights and optimizer state alike; at staleness 0 (a local step:
 nothing else writes the worker's copy) it is exactly its inner optimizer's.
 On a real cluster (chief, 2 workers, 1 ps): a wrapper as the model's
 optimizer and as the outer optimizer, with the update counts the local-steps
-tests check and the accuracy the asynchronous runs must reach.
+tests check and the accuracy the asynchronous runs must reach; and
+`nonfinite_updates="raise"` with local steps raises keras_dist's
+`NonFiniteUpdateError`.
 """
 
 import numpy as np
@@ -205,10 +207,12 @@ class _no_warning:
 
 # ------------------------------------------------------------ a real cluster
 # One `keras-dist-run --workers 2 --ps 1` run for this module's cluster tests
-# (tests/procs.py SharedCluster).
+# (tests/procs.py SharedCluster), the "raise" part last.
 SCENARIOS = {
     "test_local_wrappers::test_wrappers_in_local_steps_on_a_real_cluster": (
         "ps_local_wrappers.py", "train"),
+    "test_local_wrappers::test_nonfinite_raise_with_local_steps_on_a_real_cluster": (
+        "ps_local_wrappers.py", "raise"),
 }
 
 
@@ -243,3 +247,14 @@ def test_wrappers_in_local_steps_on_a_real_cluster(request, cluster):
         assert logs["dyn_sgd_scale_mean"] < 1.0, logs
     assert run["test_accuracy"] >= ASYNC_LEARNS, run["test_accuracy"]
 
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(SHARED_TIMEOUT + 60)
+def test_nonfinite_raise_with_local_steps_on_a_real_cluster(request, cluster):
+    """`nonfinite_updates="raise"` with local steps: keras_dist's own error,
+    naming the epoch and the option, not TensorFlow's."""
+    result, _ = cluster.result(request.node)
+    assert result["error"] is not None
+    assert result["error"].startswith("NonFiniteUpdateError: In epoch "), result["error"]
+    assert "Graph execution error" not in result["error"]
+    assert "nonfinite_updates='skip'" in result["error"]

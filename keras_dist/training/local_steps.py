@@ -46,6 +46,7 @@ import tensorflow as tf
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 from keras_dist.training import driver
 from keras_dist.training import gradients
+from keras_dist.training import nonfinite
 from keras_dist.training import stateless
 from keras_dist.training import step_report
 from keras_dist.training import update
@@ -310,13 +311,7 @@ def _push(state, outer, trainable, delta, opt_vars, opt, opt0, non_trainable, nt
     the outer optimizer), under the non-finite policy. Returns `(writes,
     skipped)`: a skipped round (0/1, float64) is reported, not written."""
     policy = state.policy
-    finite = gradients.all_finite(delta)
-    skipped = tf.cast(tf.logical_not(finite), tf.float64)
-    writes = []
-    if policy.mode == "raise":
-        writes.append(tf.debugging.Assert(finite, [
-            "keras_dist: a round of local steps ended with non-finite weights (NaN or "
-            "Inf); to skip such rounds instead, pass nonfinite_updates='skip'"]))
+    finite, skipped, writes = _round_check(policy, delta)
     with tf.control_dependencies(writes):
         if outer is None:
             for v, d in zip(trainable, delta):
@@ -338,13 +333,7 @@ def _push_elastic(state, elastic, trainable, x, centre, x_start, worker, opt_var
     the worker's copy keeps `x_i - e`. A round that ended non-finite
     changes nothing (or raises): the copy stays `x_start`, as read at the
     pull (only this worker writes its row)."""
-    finite = gradients.all_finite(x)
-    skipped = tf.cast(tf.logical_not(finite), tf.float64)
-    writes = []
-    if state.policy.mode == "raise":
-        writes.append(tf.debugging.Assert(finite, [
-            "keras_dist: a round of local steps ended with non-finite weights (NaN or "
-            "Inf); to skip such rounds instead, pass nonfinite_updates='skip'"]))
+    finite, skipped, writes = _round_check(state.policy, x)
     with tf.control_dependencies(writes):
         elastic_moves = [tf.where(finite, elastic.alpha * (xi - c), tf.zeros_like(c))
                          for xi, c in zip(x, centre)]
@@ -354,6 +343,17 @@ def _push_elastic(state, elastic, trainable, x, centre, x_start, worker, opt_var
                                          for xi, e, old in zip(x, elastic_moves, x_start)])
         writes += _state_writes(opt_vars, opt, opt0, non_trainable, nt, nt0, finite)
     return writes, skipped
+
+
+def _round_check(policy, values):
+    """A round's non-finite check, on what it pushes: `(finite, skipped,
+    checks)`; `skipped` is the float64 0/1 a skipped round reports, and under
+    "raise" `checks` is the check that stops training
+    (`keras_dist.training.nonfinite.check`), for the push to wait on."""
+    finite = gradients.all_finite(values)
+    skipped = tf.cast(tf.logical_not(finite), tf.float64)
+    checks = [nonfinite.check(finite, "round")] if policy.mode == "raise" else []
+    return finite, skipped, checks
 
 
 def _state_writes(opt_vars, opt, opt0, non_trainable, nt, nt0, finite):

@@ -38,7 +38,14 @@ from keras_dist.training import update
 
 MODES = ("skip", "raise")
 
-_NONFINITE_MARK = "keras_dist: non-finite gradients (NaN or Inf) in an update"  # no quote: TF escapes it
+# What the "raise" policy's check says when it fails, by what it checks, after
+# a mark `raise_if_nonfinite` finds in TensorFlow's error (no quotes: TF
+# escapes them).
+_NONFINITE_MARK = "keras_dist: non-finite"
+_CHECKED = {
+    "gradients": "an update's gradients are not finite (NaN or Inf)",
+    "round": "a round of local steps ended with non-finite weights (NaN or Inf)",
+}
 
 
 class NonFiniteUpdateError(FloatingPointError):
@@ -57,17 +64,39 @@ class NonFiniteUpdateError(FloatingPointError):
     """
 
 
+def check(finite, what="gradients"):
+    """The "raise" policy's check: an op that fails when the bool tensor
+    `finite` is false, saying `what` was not finite ("gradients", or
+    "round": a round of local steps), in words `raise_if_nonfinite` finds."""
+    return tf.debugging.Assert(finite, [f"{_NONFINITE_MARK} {what}: {_CHECKED[what]}"])
+
+
 def raise_if_nonfinite(error, epoch):
     """Raises `NonFiniteUpdateError` when TensorFlow's `error` is the "raise"
-    policy's check failing in `epoch` (0-based); returns otherwise."""
-    if _NONFINITE_MARK in str(getattr(error, "message", error)):
-        raise NonFiniteUpdateError(
-            f"In epoch {epoch + 1}, an update's gradients are not finite (NaN or "
-            "Inf), and nonfinite_updates='raise' stops training there (the weights "
-            "are those before that update). Look for NaN or Inf in the inputs or "
-            "the loss, or lower the learning rate; to skip such updates and count "
-            "them instead, pass nonfinite_updates='skip' to keras_dist.fit or set "
-            "model.nonfinite_updates = 'skip'.") from None
+    policy's check (`check`) failing in `epoch` (0-based); returns otherwise.
+
+    Example:
+
+    >>> import tensorflow as tf
+    >>> from keras_dist.training import nonfinite
+    >>> try:
+    ...     nonfinite.check(tf.constant(False), "round")
+    ... except tf.errors.InvalidArgumentError as error:
+    ...     nonfinite.raise_if_nonfinite(error, epoch=2)
+    Traceback (most recent call last):
+    ...
+    keras_dist.training.nonfinite.NonFiniteUpdateError: In epoch 3, a round of local steps ended with non-finite weights (NaN or Inf), ...
+    """
+    message = str(getattr(error, "message", error))
+    for what, checked in _CHECKED.items():
+        if f"{_NONFINITE_MARK} {what}:" in message:
+            raise NonFiniteUpdateError(
+                f"In epoch {epoch + 1}, {checked}, and nonfinite_updates='raise' stops "
+                "training there (the weights are those before that update). Look for "
+                "NaN or Inf in the inputs or the loss, or lower the learning rate; to "
+                "skip such updates and count them instead, pass "
+                "nonfinite_updates='skip' to keras_dist.fit or set "
+                "model.nonfinite_updates = 'skip'.") from None
 
 
 class NonFinitePolicy:
@@ -159,8 +188,7 @@ class NonFinitePolicy:
         if finite is None:
             finite = gradients.all_finite(grads)
         if self.mode == "raise":
-            check = tf.debugging.Assert(finite, [_NONFINITE_MARK])
-            with tf.control_dependencies([check]):
+            with tf.control_dependencies([check(finite)]):
                 grads = gradients.identity_all(grads)
             apply_fn(grads, variables)
             return

@@ -1,7 +1,8 @@
 """Staleness-aware wrappers under local steps on a real cluster; run by keras-dist-run.
 
-argv: out_dir part ("train"). The chief writes out_dir/result.json:
+argv: out_dir part. The chief writes out_dir/result.json.
 
+- part "train":
   - "one_round": a wrapper as the model's optimizer, one scheduled round
     of K local steps (one worker) against Keras' own `model.fit` of its
     inner optimizer on one device for the same K batches from the same
@@ -10,6 +11,8 @@ argv: out_dir part ("train"). The chief writes out_dir/result.json:
   - "train": the digits MLP with a wrapper as the model's optimizer and
     another as the outer optimizer: test accuracy, version (= pushes), the
     step counts of both optimizers, the outer wrapper's mean scale.
+- part "raise": digits with NaN rows, local steps and
+  `nonfinite_updates="raise"`: what the user sees.
 """
 
 import json
@@ -81,13 +84,31 @@ def train():
                                    model.staleness_stats.updates_per_worker().items()}}
 
 
+def nonfinite_raise():
+    x = X.copy()
+    x[::60] = np.nan  # 24 poisoned examples: some rounds end with NaN weights
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = kd.AsyncModel.from_model(mlp(keras.optimizers.SGD(0.05)))
+    model.nonfinite_updates = "raise"
+    try:
+        model.fit(x, Y, epochs=4, steps_per_epoch=40 * K, batch_size=32, verbose=0,
+                  local_steps=K)
+        return {"error": None}
+    except Exception as error:  # what the user sees
+        return {"error": f"{type(error).__name__}: {error}"}
+
+
 def main(out_dir, part):
-    result = {"one_round": {
-        "dynsgd_momentum": one_round(kd.optimizers.DynSGD,
-                                     lambda: keras.optimizers.SGD(0.1, momentum=0.9)),
-        "gap_aware_adam": one_round(kd.optimizers.GapAware,
-                                    lambda: keras.optimizers.Adam(0.01))},
-        "train": train()}
+    if part == "train":
+        result = {"one_round": {
+            "dynsgd_momentum": one_round(kd.optimizers.DynSGD,
+                                         lambda: keras.optimizers.SGD(0.1, momentum=0.9)),
+            "gap_aware_adam": one_round(kd.optimizers.GapAware,
+                                        lambda: keras.optimizers.Adam(0.01))},
+            "train": train()}
+    else:
+        result = nonfinite_raise()
     with open(os.path.join(out_dir, "result.json"), "w") as f:
         json.dump(result, f, default=float)
 
