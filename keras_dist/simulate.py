@@ -322,16 +322,11 @@ def fit(model, x, y, *, workers, epochs=1, batch_size=32, validation_data=None,
 def _fit_local(model, x, y, *, workers, epochs, batch_size, validation_data, seed, k, outer,
                elastic=None, **schedule_kwargs):
     """`fit` with local steps: each scheduled update is one push of k steps."""
-    from keras_dist.training import stateless
     from keras_dist.training import update as update_lib
-    from keras_dist.training.local_steps import step_on_copy
+    from keras_dist.training.local_steps import check_optimizer, step_on_copy
 
     optimizer = model.optimizer
-    if not stateless.supports(optimizer):
-        raise ValueError(
-            "Local steps need an optimizer that steps on tensors on the model: a Keras "
-            f"optimizer, or a staleness-aware wrapper around one; got "
-            f"{type(optimizer).__name__}.")
+    check_optimizer(optimizer)
     pushes_per_epoch = (len(x) // batch_size) // k
     if pushes_per_epoch < 1:
         raise ValueError(f"local_steps={k} batches of {batch_size} need more than the "

@@ -71,6 +71,9 @@ class StalenessAwareOptimizer(keras.optimizers.Optimizer):
     """Whether `transform` uses the weights the worker read (DC-ASGD, Gap-Aware):
     the executor reads them only then."""
 
+    pulled_weights_for = None
+    """Why it needs them, for the error without them (`check_pulled`)."""
+
     needs_worker = False
     """Whether `transform` uses the update's worker (DANA): it keeps state per
     worker, for `workers` of them."""
@@ -79,23 +82,22 @@ class StalenessAwareOptimizer(keras.optimizers.Optimizer):
     """Wrappers of one family (e.g. "scaling") must not be nested in each other."""
 
     def __init__(self, inner_optimizer, name=None, **kwargs):
+        wrapper = type(self).__name__
         given = sorted(k for k in kwargs if k in BASE_OPTIMIZER_ARGUMENTS)
         if given:
             received = ", ".join(f"{k}={kwargs[k]!r}" for k in given)
             raise ValueError(
-                f"{type(self).__name__} does not take base-optimizer arguments; the "
-                "inner optimizer applies the update. Pass them to it instead, e.g. "
-                f"{type(self).__name__}(keras.optimizers.SGD(0.01, {given[0]}=...)). "
+                f"{wrapper} does not take base-optimizer arguments; the inner optimizer "
+                "applies the update. Pass them to it instead, e.g. "
+                f"{wrapper}(keras.optimizers.SGD(0.01, {given[0]}=...)). "
                 f"Received: {received}.")
         if kwargs:
-            raise TypeError(
-                f"{type(self).__name__} got unexpected arguments: {sorted(kwargs)}.")
+            raise TypeError(f"{wrapper} got unexpected arguments: {sorted(kwargs)}.")
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
-            raise TypeError(
-                f"{type(self).__name__} wraps a Keras optimizer, e.g. "
-                f"{type(self).__name__}(keras.optimizers.SGD(0.01)). Received: "
-                f"inner_optimizer={inner_optimizer!r} of type "
-                f"{type(inner_optimizer).__name__}.")
+            raise TypeError(f"{wrapper} wraps a Keras optimizer, e.g. "
+                            f"{wrapper}(keras.optimizers.SGD(0.01)). Received: "
+                            f"inner_optimizer={inner_optimizer!r} of type "
+                            f"{type(inner_optimizer).__name__}.")
         for inner in _chain(inner_optimizer):
             if isinstance(inner, StalenessAwareOptimizer) and self.family and (
                     inner.family == self.family):
@@ -252,6 +254,9 @@ class StalenessAwareOptimizer(keras.optimizers.Optimizer):
     def _transform(self, grads, variables, update):
         """`transform`, and what to add to which weights once the inner
         optimizer has applied the update (`add_after_update`)."""
+        if self.needs_pulled_weights:
+            check_pulled(type(self).__name__, self.pulled_weights_for, update.pulled,
+                         variables)
         after = []
         # Set past Keras' (and TensorFlow's) attribute tracking, which would
         # add the model's variables in the list to the optimizer's own.
@@ -307,6 +312,34 @@ class StalenessAwareOptimizer(keras.optimizers.Optimizer):
         return [add(self._scale_sum, tf.cast(scale, tf.float32)),
                 add(self._scale_count, 1.0)]
 
+    def map_gradients(self, fn, grads, variables, pulled=None):
+        """The gradients `fn` makes of each one but `None` (left as it is),
+        with the mean of the scales it gives recorded (`record_mean`).
+
+        `fn(g, variable, i, w_pulled)` gets the gradient as a tensor, its
+        variable, the variable's index among those the optimizer was built
+        with (its slots' index) and its pulled weight (`None` without
+        `pulled`), and returns `(new gradient, scale for the logs or None)`.
+        """
+        out, scales = [], []
+        for g, variable, w_pulled in zip(grads, variables, pulled or [None] * len(grads)):
+            if g is None:
+                out.append(None)
+                continue
+            new, scale = fn(tf.convert_to_tensor(g), variable,
+                            _compat.variable_index(self, variable), w_pulled)
+            out.append(new)
+            if scale is not None:
+                scales.append(scale)
+        self.record_mean(scales)
+        return out
+
+    def record_mean(self, scales):
+        """`record_scale` of the mean of `scales` (scalar tensors, one per
+        gradient); nothing without any."""
+        if scales:
+            self.record_scale(tf.reduce_mean(tf.stack(scales)))
+
     def staleness_logs(self):
         """This wrapper's (and inner wrappers') epoch numbers, for the logs."""
         logs = {}
@@ -330,9 +363,14 @@ class StalenessAwareOptimizer(keras.optimizers.Optimizer):
             self.inner_optimizer.reset_staleness_logs()
 
     # ---------------------------------------------------------- serialization
+    config_fields = ()
+    """The constructor's own arguments that `get_config` saves, each kept in
+    the attribute of its name."""
+
     def get_config(self):
         return {"name": self.name,
-                "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer)}
+                "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
+                **{field: getattr(self, field) for field in self.config_fields}}
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
@@ -342,7 +380,31 @@ class StalenessAwareOptimizer(keras.optimizers.Optimizer):
         return cls(inner, **config)
 
 
-scale_gradients = gradients.scale_gradients
+class StalenessScaling(StalenessAwareOptimizer):
+    """A wrapper that multiplies every gradient by one scale, a function of
+    the update's staleness (subclasses implement `scale(staleness)`, 1 at
+    staleness 0); the epoch logs get its mean (`<name>_scale_mean`).
+
+    Args:
+        inner_optimizer: A `keras.optimizers.Optimizer` that applies the
+            scaled gradients.
+        name: String. Defaults to the class's `default_name`.
+    """
+
+    family = "scaling"
+    default_name = None
+
+    def __init__(self, inner_optimizer, name=None, **kwargs):
+        super().__init__(inner_optimizer, name=name or self.default_name, **kwargs)
+
+    def scale(self, staleness):
+        """The scale of an update of `staleness` (a float32 tensor)."""
+        raise NotImplementedError
+
+    def transform(self, grads, variables, update):
+        scale = self.scale(update.staleness)
+        self.record_scale(scale)
+        return gradients.scale_gradients(grads, scale), None
 
 
 def check_pulled(name, why, pulled, variables):

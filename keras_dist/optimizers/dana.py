@@ -78,6 +78,7 @@ class DANA(StalenessAwareOptimizer):
 
     needs_worker = True
     family = "momentum"
+    config_fields = ("momentum", "workers")
     unknown_staleness_means = "it trains as the only worker: Nesterov SGD"
 
     def __init__(self, inner_optimizer, momentum=0.9, workers=None, name="dana", **kwargs):
@@ -126,17 +127,13 @@ class DANA(StalenessAwareOptimizer):
                              "under parameter servers, and simulate.fit in simulation. "
                              "Pass update=UpdateInfo(staleness, worker=...) to apply().")
         worker = tf.reshape(tf.cast(worker, tf.int32), [1])
-        out = []
-        for g, variable in zip(grads, variables):
-            if g is None:
-                out.append(None)
-                continue
-            slot = self.velocities[_compat.variable_index(self, variable)]
-            g = tf.convert_to_tensor(g)
-            velocity = self.momentum * tf.gather(slot.value, worker) + g[None]
-            write_rows(slot, worker, velocity)
-            out.append(g + self.momentum * velocity[0])
-        return out, None
+
+        def nesterov(g, variable, i, w_pulled):
+            velocity = self.momentum * tf.gather(self.velocities[i].value, worker) + g[None]
+            write_rows(self.velocities[i], worker, velocity)
+            return g + self.momentum * velocity[0], None
+
+        return self.map_gradients(nesterov, grads, variables), None
 
     def master_weights(self, variables=None):
         """The paper's `theta`: the weights plus `eta * gamma * sum_j v_j`.
@@ -153,9 +150,6 @@ class DANA(StalenessAwareOptimizer):
         return [v.value + tf.cast(eta * self.momentum, v.dtype)
                 * tf.reduce_sum(self.velocities[_compat.variable_index(self, v)].value, axis=0)
                 for v in variables]
-
-    def get_config(self):
-        return {**super().get_config(), "momentum": self.momentum, "workers": self.workers}
 
 
 def _check_workers(workers):

@@ -3,9 +3,8 @@
 import keras
 import tensorflow as tf
 
-from keras_dist import _compat
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
-from keras_dist.optimizers.base import StalenessAwareOptimizer, check_pulled, write
+from keras_dist.optimizers.base import StalenessAwareOptimizer, write
 
 MODES = ("constant", "adaptive")
 
@@ -63,7 +62,10 @@ class DCASGD(StalenessAwareOptimizer):
     """
 
     needs_pulled_weights = True
+    pulled_weights_for = ("corrects each gradient by how far its weight moved since the "
+                          "worker read it (w_now - w_pulled)")
     family = "compensation"
+    config_fields = ("mode", "lambda_", "lambda0", "momentum", "epsilon")
 
     def __init__(self, inner_optimizer, mode="constant", lambda_=0.04, lambda0=2.0,
                  momentum=0.95, epsilon=1e-7, name="dcasgd", **kwargs):
@@ -88,30 +90,15 @@ class DCASGD(StalenessAwareOptimizer):
                                   for v in var_list]
 
     def transform(self, grads, variables, update):
-        pulled = update.pulled
-        check_pulled("DCASGD", "corrects each gradient by how far its weight moved since "
-                     "the worker read it (w_now - w_pulled)", pulled, variables)
-        out, ratios = [], []
-        for g, variable, w_pulled in zip(grads, variables, pulled):
-            if g is None:
-                out.append(None)
-                continue
-            g = tf.convert_to_tensor(g)
+        def compensate(g, variable, i, w_pulled):
             if self.mode == "adaptive":
-                ms = self._mean_squares[_compat.variable_index(self, variable)]
+                ms = self._mean_squares[i]
                 new_ms = self.momentum * ms.value + (1.0 - self.momentum) * g * g
                 write(ms, new_ms)
                 lam = self.lambda0 / tf.sqrt(new_ms + self.epsilon)
             else:
                 lam = self.lambda_
             correction = lam * g * g * (variable.value - w_pulled)
-            ratios.append(tf.norm(correction) / (tf.norm(g) + 1e-12))
-            out.append(g + correction)
-        if ratios:
-            self.record_scale(tf.reduce_mean(tf.stack(ratios)))
-        return out, None
+            return g + correction, tf.norm(correction) / (tf.norm(g) + 1e-12)
 
-    def get_config(self):
-        return {**super().get_config(), "mode": self.mode, "lambda_": self.lambda_,
-                "lambda0": self.lambda0, "momentum": self.momentum,
-                "epsilon": self.epsilon}
+        return self.map_gradients(compensate, grads, variables, update.pulled), None

@@ -5,7 +5,7 @@ import tensorflow as tf
 
 from keras_dist import _compat
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
-from keras_dist.optimizers.base import StalenessAwareOptimizer, add, check_pulled, write
+from keras_dist.optimizers.base import StalenessAwareOptimizer, add, write
 
 
 @keras.saving.register_keras_serializable(package="keras_dist")
@@ -73,7 +73,9 @@ class GapAware(StalenessAwareOptimizer):
     """
 
     needs_pulled_weights = True
+    pulled_weights_for = "measures how far each weight moved since the worker read it"
     family = "scaling"
+    config_fields = ("beta", "epsilon", "measure", "momentum", "scale_weight_decay")
 
     def __init__(self, inner_optimizer, beta=0.999, epsilon=1e-8, measure="gradient",
                  momentum=None, scale_weight_decay=False, name="gap_aware", **kwargs):
@@ -104,21 +106,13 @@ class GapAware(StalenessAwareOptimizer):
         self._eta_max = self._scalar("eta_max")
 
     def transform(self, grads, variables, update):
-        pulled = update.pulled
-        check_pulled("GapAware", "measures how far each weight moved since the worker "
-                     "read it", pulled, variables)
         t = add(self._updates, 1.0)
         lr = tf.cast(self.learning_rate, tf.float32)
         eta_max = write(self._eta_max, tf.maximum(self._eta_max.value, lr))
         base = _base(self.inner_optimizer)
         wd = getattr(base, "weight_decay", None) if self.scale_weight_decay else None
-        out, penalties = [], []
-        for g, variable, w_pulled in zip(grads, variables, pulled):
-            if g is None:
-                out.append(None)
-                continue
-            i = _compat.variable_index(self, variable)
-            g = tf.convert_to_tensor(g)
+
+        def penalize(g, variable, i, w_pulled):
             step = g
             if self.measure == "momentum":
                 step = self.momentum * self._buffers[i].value + g
@@ -129,22 +123,15 @@ class GapAware(StalenessAwareOptimizer):
             c = tf.cast(eta_max, g.dtype) * (tf.sqrt(v_hat) + self.epsilon)
             w_now = variable.value
             penalty = 1.0 + tf.abs(w_now - w_pulled) / c
-            penalties.append(tf.reduce_mean(penalty))
-            out.append(g / penalty)
             if wd and _compat.uses_weight_decay(base, variable):
                 # The inner optimizer decays the weight by lr * wd * w in full
                 # (lr as it is before it counts this step); give back the part
                 # the penalty takes off: lr * wd * w * (1 - 1/G), w as read now.
                 self.add_after_update(variable, tf.cast(lr * wd, w_now.dtype)
                                       * tf.identity(w_now) * (1.0 - 1.0 / penalty))
-        if penalties:
-            self.record_scale(tf.reduce_mean(tf.stack(penalties)))
-        return out, None
+            return g / penalty, tf.reduce_mean(penalty)
 
-    def get_config(self):
-        return {**super().get_config(), "beta": self.beta, "epsilon": self.epsilon,
-                "measure": self.measure, "momentum": self.momentum,
-                "scale_weight_decay": self.scale_weight_decay}
+        return self.map_gradients(penalize, grads, variables, update.pulled), None
 
 
 MEASURES = ("gradient", "momentum")

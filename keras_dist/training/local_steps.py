@@ -133,7 +133,13 @@ def check_model(model, strategy, local):
             "default step on tensors (the variables stay on the parameter servers) and "
             "cannot run a custom one. Train with local_steps=1 (your train_step then "
             "runs on every update), or move the custom logic into compute_loss.")
-    optimizer = model.optimizer
+    check_optimizer(model.optimizer)
+
+
+def check_optimizer(optimizer):
+    """Raises `ValueError` for a model's optimizer that cannot take local
+    steps (step on the worker's copy, on tensors; `check_model` and
+    `keras_dist.simulate.fit` check it)."""
     if not stateless.supports(optimizer):
         raise ValueError(
             "Local steps need an optimizer that steps on the worker's copy (on tensors): "
@@ -183,8 +189,8 @@ class ElasticCopies:
 
     Example:
 
-    >>> import keras
     >>> from keras_dist.training.local_steps import ElasticCopies
+    >>> import keras
     >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     >>> copies = ElasticCopies(model, workers=4, alpha=0.2)
     >>> [tuple(v.shape) for v in copies.variables]
@@ -216,7 +222,7 @@ def local_round(state, batches, worker, faults, outer_optimizer, elastic=None):
     model, optimizer = state.model, state.model.optimizer
     trainable = list(model.trainable_variables)
     non_trainable = list(model.non_trainable_variables)
-    metric_vars = state.metric_variables
+    metric_vars = state.metrics.variables
     opt_vars = list(optimizer.variables)
     start, batches = step_report.start_clock(batches)
     # The pull: version, weights, other state, optimizer state; one round trip.
@@ -238,12 +244,7 @@ def local_round(state, batches, worker, faults, outer_optimizer, elastic=None):
                                                 opt, tracker, worker_index)
         examples += step_report.batch_examples(data)
     delta = [new - old for new, old in zip(w, start_from)]
-    ready = list(delta)
-    slowed = bool(faults and faults.slowed)
-    if slowed:  # this round takes `factor` times as long
-        with tf.control_dependencies(ready):
-            now = tf.timestamp()
-        ready = faults.slow_down(worker, now - start, now) or ready
+    ready = after_slowdown(faults, worker, start, delta)  # the round, slowed down
     with tf.control_dependencies(ready):
         one = tf.ones([], tf.int64)
     tau = state.version.claim(read, one)
@@ -259,9 +260,7 @@ def local_round(state, batches, worker, faults, outer_optimizer, elastic=None):
     with tf.control_dependencies(writes + [claimed]):  # claimed <= seconds
         seconds = tf.timestamp() - start
     loss_sum, loss_count = state.metrics.loss_state(metrics)
-    logs = {name: value for name, value in logs.items()
-            if tf.is_tensor(value) and value.shape.rank == 0}
-    names = sorted(logs)
+    logs, names = scalar_logs(logs)
     state.log_names[len(batches)] = names
     return step_report.pack(worker, seconds, examples, loss_sum, loss_count, [tau],
                             logs, names, state=metrics, skipped=skipped, claimed=claimed)
@@ -288,6 +287,25 @@ def _local_step(model, optimizer, data, trainable, w, non_trainable, nt, metric_
     nt = [_current(scope, v, old) for v, old in zip(non_trainable, nt)]
     metrics = [_current(scope, v, old) for v, old in zip(metric_vars, metrics)]
     return list(w), nt, metrics, list(opt), driver.flatten_logs(logs or {})
+
+
+def scalar_logs(logs):
+    """The scalar entries of a step's logs, flattened (`driver.flatten_logs`),
+    and their names in order: what a worker's report carries."""
+    logs = {name: value for name, value in driver.flatten_logs(logs).items()
+            if tf.is_tensor(value) and value.shape.rank == 0 or isinstance(value, (int, float))}
+    return logs, sorted(logs)
+
+
+def after_slowdown(faults, worker, start, ready):
+    """`ready` (tensors), or, when injected faults slow `worker` down, what
+    is ready once it has slept `factor - 1` times the time since `start`
+    (so the step or round takes `factor` times as long)."""
+    if not (faults and faults.slowed):
+        return list(ready)
+    with tf.control_dependencies(ready):
+        now = tf.timestamp()
+    return faults.slow_down(worker, now - start, now) or list(ready)
 
 
 def step_on_copy(optimizer, optimizer_state, grads, weights, worker):

@@ -327,10 +327,8 @@ class _EpochLogs(keras.callbacks.Callback):
 
     def __init__(self, policy, callbacks):
         super().__init__()
-        self.policy = policy
-        self.callbacks = callbacks
-        self.epoch = 0
-        self.nothing = False
+        self.policy, self.callbacks = policy, callbacks
+        self.epoch, self.nothing = 0, False
 
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch

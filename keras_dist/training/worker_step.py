@@ -67,10 +67,6 @@ class WorkerStep:
         self.metrics = None
         self.ring = None
 
-    @property
-    def metric_variables(self):
-        return self.metrics.variables
-
     def build(self, sample_batch):
         """Creates optimizer and metric state before training (variables
         cannot be created inside the scheduled functions)."""
@@ -141,7 +137,7 @@ class WorkerStep:
         examples = tf.constant(0.0, tf.float64)
         # The metrics' state, from zero, summed over the k steps on the worker;
         # the chief adds it up (`ChiefMetrics`): no metric round trips here.
-        metrics = [tf.zeros(v.shape, v.dtype) for v in self.metric_variables]
+        metrics = [tf.zeros(v.shape, v.dtype) for v in self.metrics.variables]
         # With every weight on one parameter server, each update runs there
         # (`gradients.ship_gradients`) and its tau stays there until the end.
         planned = gradients.home_device(model.trainable_variables) if self.options.ship_gradients else None
@@ -156,9 +152,7 @@ class WorkerStep:
                 # of its own after the last step ran at 2/3 the rate at
                 # steps_per_execution 10).
                 loss_sum, loss_count = self.metrics.loss_state(new_metrics)
-                logs = {name: value for name, value in driver.flatten_logs(step_logs).items()
-                        if _is_scalar(value)}
-                names = sorted(logs)
+                logs, names = local_steps_lib.scalar_logs(step_logs)
                 with tf.control_dependencies(computed):
                     seconds = tf.timestamp() - start
                 report = step_report.pack(
@@ -193,9 +187,7 @@ class WorkerStep:
             writes += step_writes
             examples += step_report.batch_examples(data)
         loss_sum, loss_count = self.metrics.loss_state(metrics)
-        logs = {name: value for name, value in driver.flatten_logs(step_logs).items()
-                if _is_scalar(value)}
-        names = sorted(logs)
+        logs, names = local_steps_lib.scalar_logs(step_logs)
         self.log_names[k] = names
         if planned is not None and set(homes) == {planned}:
             if shipped is not None:
@@ -257,7 +249,7 @@ class WorkerStep:
             with tf.control_dependencies([read]):
                 pulled = [tf.identity(w.value.read_value()) for w in model.trainable_weights]
             after_read = pulled
-        metric_vars = self.metric_variables
+        metric_vars = self.metrics.variables
         captured = []
 
         def capture(original, grads, variables):
@@ -278,9 +270,7 @@ class WorkerStep:
         grads = list(grads)
         ready = [t for t in tf.nest.flatten(grads, expand_composites=True) if t is not None]
         if slowed:  # this step takes `factor` times as long
-            with tf.control_dependencies(ready):
-                now = tf.timestamp()
-            ready = faults.slow_down(worker, now - step_start, now) or ready
+            ready = local_steps_lib.after_slowdown(faults, worker, step_start, ready)
             with tf.control_dependencies(ready):
                 grads = gradients.identity_all(grads)
         # When every weight lives on one parameter server, the gradients go
@@ -313,10 +303,6 @@ class WorkerStep:
         if carry is not None:
             return tau, writes, step_logs, metrics, skipped, home, computed, shipped
         return tau, writes, step_logs, metrics, skipped, home, computed
-
-
-def _is_scalar(value):
-    return tf.is_tensor(value) and value.shape.rank == 0 or isinstance(value, (int, float))
 
 
 def _needs_pulled(optimizer):
