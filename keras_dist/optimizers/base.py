@@ -16,6 +16,13 @@ it too. `wrapper.apply(grads, variables, update=info)` is the same, for one
 call. Outside asynchronous training the staleness is unknown: the wrapper
 warns once and behaves exactly as its inner optimizer.
 
+A wrapper also steps on tensors, `stateless_apply` over its inner
+optimizer's (as Keras' `LossScaleOptimizer`): what each local step on a
+worker's copy runs (`keras_dist.training.local_steps`). So that one
+`transform` serves both, a wrapper writes its own state with `write`, `add`
+and `write_rows`, which are TensorFlow's ops on the variable, or the
+`keras.StatelessScope`'s new values.
+
 Base-optimizer arguments (`clipnorm`, `use_ema`, `weight_decay`, ...)
 belong to the inner optimizer, which applies the update; a wrapper refuses
 them with an error that says so, as Keras' `LossScaleOptimizer` does.
@@ -46,7 +53,10 @@ class StalenessAwareOptimizer(keras.optimizers.Optimizer):
     `update` is the update's `UpdateInfo` (its `staleness` a float32
     tensor), returning the gradients to apply and a boolean tensor (or
     `None`) saying whether to apply them at all. With staleness 0 every
-    subclass must return the gradients unchanged.
+    subclass must return the gradients unchanged. `map_gradients` walks the
+    gradients with each one's slot index; state is written with `write` /
+    `add` / `write_rows`, so that `stateless_apply` runs the same
+    `transform`.
 
     Args:
         inner_optimizer: A `keras.optimizers.Optimizer` (or another wrapper).
