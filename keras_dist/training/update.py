@@ -181,7 +181,6 @@ def optimizer_chain(optimizer):
         optimizer = getattr(optimizer, "inner_optimizer", None)
 
 
-
 # ------------------------------------------------------------- update data
 @dataclasses.dataclass(frozen=True)
 class UpdateInfo:
