@@ -28,7 +28,7 @@ __version__ = "0.2.0.dev0"
 _EXPORTS = {
     "AsyncModel": "keras_dist.training.async_model",
     "ClusterConfig": "keras_dist.cluster.config",
-    "NonFiniteUpdateError": "keras_dist.training.update",
+    "NonFiniteUpdateError": "keras_dist.training.nonfinite",
     "StrategyChoice": "keras_dist.cluster.strategy",
     "StrategyKind": "keras_dist.cluster.strategy",
     "build_strategy": "keras_dist.cluster.strategy",
@@ -52,7 +52,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time see __getattr__
     from keras_dist.training.async_model import AsyncModel  # noqa: F401
     from keras_dist.cluster.config import ClusterConfig  # noqa: F401
     from keras_dist.cluster.serving import serve  # noqa: F401
-    from keras_dist.training.update import NonFiniteUpdateError  # noqa: F401
+    from keras_dist.training.nonfinite import NonFiniteUpdateError  # noqa: F401
     from keras_dist.cluster.strategy import (  # noqa: F401
         StrategyChoice, StrategyKind, build_strategy, choose_strategy, resolve_strategy)
     from keras_dist.training.api import evaluate, fit, predict  # noqa: F401

@@ -453,7 +453,7 @@ def _define_strategy(fv):
 
 
 def _define_nonfinite_updates(fv):
-    from keras_dist.training.update import MODES
+    from keras_dist.training.nonfinite import MODES
 
     _define(fv, "enum", "nonfinite_updates", None,
             "What keras_dist's own loops do with an update whose gradients are NaN or Inf: "

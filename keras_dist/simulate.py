@@ -272,7 +272,6 @@ def fit(model, x, y, *, workers, epochs=1, batch_size=32, validation_data=None,
     (2, 4)
     """
     from keras_dist.training import update as update_lib
-    from keras_dist.optimizers.base import staleness_aware_in
 
     steps_per_epoch = len(x) // batch_size
     if steps_per_epoch < 1:
@@ -289,7 +288,6 @@ def fit(model, x, y, *, workers, epochs=1, batch_size=32, validation_data=None,
     optimizer = model.optimizer
     _set_workers(optimizer, workers)
     optimizer.build(model.trainable_variables)
-    aware = staleness_aware_in(optimizer)
     variables = model.trainable_variables
 
     @tf.function(reduce_retracing=True)
@@ -303,9 +301,8 @@ def fit(model, x, y, *, workers, epochs=1, batch_size=32, validation_data=None,
 
     @tf.function(reduce_retracing=True)
     def apply(grads, pulled, tau, worker):
-        info = update_lib.UpdateInfo(tau, pulled, worker) if aware is not None else None
-        with update_lib.providing(info):
-            optimizer.apply(grads, variables)
+        update_lib.apply_with(update_lib.UpdateInfo(tau, pulled, worker), optimizer.apply,
+                              grads, variables)
 
     def snapshot():
         return [tf.identity(v.value) for v in variables]
@@ -325,21 +322,18 @@ def fit(model, x, y, *, workers, epochs=1, batch_size=32, validation_data=None,
 def _fit_local(model, x, y, *, workers, epochs, batch_size, validation_data, seed, k, outer,
                elastic=None, **schedule_kwargs):
     """`fit` with local steps: each scheduled update is one push of k steps."""
-    from keras_dist.training import stateless
     from keras_dist.training import update as update_lib
-    from keras_dist.optimizers.base import StalenessAwareOptimizer
+    from keras_dist.training.local_steps import check_optimizer, step_on_copy
 
     optimizer = model.optimizer
-    if not stateless.supports(optimizer):
-        raise ValueError(
-            f"Local steps need a plain Keras optimizer on the model; got "
-            f"{type(optimizer).__name__} (pass a staleness-aware wrapper as outer_optimizer).")
+    check_optimizer(optimizer)
     pushes_per_epoch = (len(x) // batch_size) // k
     if pushes_per_epoch < 1:
         raise ValueError(f"local_steps={k} batches of {batch_size} need more than the "
                          f"{len(x)} samples.")
     sched = schedule(workers, epochs * pushes_per_epoch, seed=seed, **schedule_kwargs)
     variables = model.trainable_variables
+    _set_workers(optimizer, workers)
     optimizer.build(variables)
     if outer is not None:
         _set_workers(outer, workers)
@@ -347,7 +341,7 @@ def _fit_local(model, x, y, *, workers, epochs, batch_size, validation_data, see
     opt_vars = list(optimizer.variables)
 
     @tf.function(reduce_retracing=True)
-    def local_round(weights, opt_state, state, xs, ys):
+    def local_round(weights, opt_state, state, xs, ys, worker):
         losses = []
         for j in range(k):
             with tf.GradientTape() as tape:
@@ -355,7 +349,7 @@ def _fit_local(model, x, y, *, workers, epochs, batch_size, validation_data, see
                 y_pred, state = model.stateless_call(weights, state, xs[j], training=True)
                 loss = model.compute_loss(x=xs[j], y=ys[j], y_pred=y_pred, training=True)
             grads = tape.gradient(loss, weights)
-            weights, opt_state = stateless.stateless_apply(optimizer, opt_state, grads, weights)
+            weights, opt_state = step_on_copy(optimizer, opt_state, grads, weights, worker)
             losses.append(loss)
         return tf.reduce_mean(tf.stack(losses)), weights, opt_state, state
 
@@ -366,12 +360,7 @@ def _fit_local(model, x, y, *, workers, epochs, batch_size, validation_data, see
                 v.assign_add(d)
         else:
             info = update_lib.UpdateInfo(tau, pulled, worker)
-            pseudo = [-d for d in delta]
-            if isinstance(outer, StalenessAwareOptimizer):
-                outer.apply(pseudo, variables, update=info)
-            else:
-                with update_lib.providing(info):
-                    outer.apply(pseudo, variables)
+            update_lib.apply_with(info, outer.apply, [-d for d in delta], variables)
         for v, d, new in zip(opt_vars, opt_delta, opt_new):
             if new.dtype.is_floating:
                 v.assign(new)  # slots: the pushing worker's (as local_steps)
@@ -394,7 +383,8 @@ def _fit_local(model, x, y, *, workers, epochs, batch_size, validation_data, see
         start = pulled
         if elastic is not None:
             start = copies.setdefault(int(worker), initial)
-        loss, weights, opt_state, new_state = local_round(start, pulled_opt, state, xs, ys)
+        loss, weights, opt_state, new_state = local_round(start, pulled_opt, state, xs, ys,
+                                                          worker)
         for variable, value in zip(model.non_trainable_variables, new_state):
             variable.assign(value)
         if elastic is not None:  # e = alpha (x_i - centre as read); both move by e

@@ -131,26 +131,14 @@ def test_executors_call_no_callback_hook(name):
 # The one module that may use private TensorFlow and Keras names (see its
 # docstring for each name and why it has no public route).
 COMPAT = "_compat.py"
-# Modules still to be routed through _compat (issue 33, item 5: the optimizer
-# half, done separately); remove each from here once it is.
-PRIVATE_NAMES_PENDING = {
-    "training/update.py",
-    "training/stateless.py",
-    "training/local_steps.py",
-    "training/worker_step.py",
-    "optimizers/*",
-}
 # Private TF/Keras attributes keras_dist uses, all reached through _compat.
 PRIVATE_ATTRIBUTES = {
     "_initial_epoch", "_compile_loss", "_compile_metrics", "_flatten_layers", "_value",
     "_type_spec", "_create_variable", "_embeddings", "_distributed_tf_update_step",
     "_get_variable_index", "_var_key", "_trainable_variables_indices", "__internal__",
-    "__composite_gradient__",
+    "__composite_gradient__", "_trainable_variables", "_variables", "_backend_update_step",
+    "_apply_weight_decay", "_backend_increment_gradient_accumulators", "_use_weight_decay",
 }
-
-
-def _pending(name):
-    return any(pathlib.PurePosixPath(name).match(pattern) for pattern in PRIVATE_NAMES_PENDING)
 
 
 def _private_imports(tree):
@@ -185,13 +173,12 @@ def test_the_private_name_checks_find_what_they_look_for():
                                                        "keras.src.trainers"]
     assert sorted(n for _, n in _private_attributes(tree)) == [
         "__internal__", "_initial_epoch", "_value"]
-    assert _pending("optimizers/dana.py") and not _pending("training/sharded.py")
 
 
 @pytest.mark.parametrize("path", MODULES, ids=_name)
 def test_private_tf_and_keras_names_only_in_compat(path):
     name = _name(path)
-    if name == COMPAT or _pending(name):
+    if name == COMPAT:
         return
     tree = ast.parse(path.read_text())
     imports = _private_imports(tree)

@@ -136,4 +136,4 @@ def test_local_steps_on_a_real_cluster(request, shared_cluster):
     errors = result["errors"]
     assert "steps_per_execution=2" in errors["steps_per_execution"]
     assert "overrides train_step" in errors["train_step"]
-    assert "outer_optimizer=kd.optimizers.DynSGD" in errors["wrapper"]
+    assert "got LossScaleOptimizer" in errors["loss_scale"]

@@ -1,6 +1,6 @@
 """The pieces that cut a parameter-server update's transfers, in one process.
 
-`update.ship_gradients` (gradients and a report in one transfer),
+`gradients.ship_gradients` (gradients and a report in one transfer),
 `step_report.ReportRing` (reports collected where the version lives) and
 `staleness.fetch_add` (an atomic claim). Their use in real clusters is
 checked by test_async (ps_train.py at steps_per_execution 1 and 5).
@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from keras_dist.training import staleness
 from keras_dist.training import step_report
-from keras_dist.training import update
+from keras_dist.training import gradients
 from keras_dist.training.step_report import ReportRing
 
 
@@ -28,7 +28,7 @@ def test_ship_gradients_keeps_values_and_carries_float64_bits_exactly():
     grads.append(sparse)
     extra = tf.constant([np.pi, -0.0, 1e-300, np.inf, np.nan, 123456789.123456789],
                         tf.float64)
-    shipped, arrived = update.ship_gradients(grads, "/CPU:0", extra=extra)
+    shipped, arrived = gradients.ship_gradients(grads, "/CPU:0", extra=extra)
     for before, after in zip(grads[:4], shipped[:4]):
         if before is None:
             assert after is None
@@ -43,14 +43,14 @@ def test_ship_gradients_keeps_values_and_carries_float64_bits_exactly():
 @pytest.mark.parametrize("dtype", [tf.float16, tf.float64])
 def test_ship_gradients_carries_the_report_in_any_float_width(dtype):
     extra = tf.constant([1.0 / 3, -7.5, 2.0 ** -40], tf.float64)
-    shipped, arrived = update.ship_gradients([tf.ones((4,), dtype)], "/CPU:0", extra=extra)
+    shipped, arrived = gradients.ship_gradients([tf.ones((4,), dtype)], "/CPU:0", extra=extra)
     np.testing.assert_array_equal(shipped[0].numpy(), np.ones(4))
     np.testing.assert_array_equal(arrived.numpy(), extra.numpy())
 
 
 def test_ship_gradients_without_dense_gradients_still_delivers_the_report():
     sparse = tf.IndexedSlices(tf.ones((1, 2)), tf.constant([1]), tf.constant([3, 2]))
-    shipped, arrived = update.ship_gradients([sparse, None], "/CPU:0",
+    shipped, arrived = gradients.ship_gradients([sparse, None], "/CPU:0",
                                              extra=tf.constant([5.0], tf.float64))
     assert shipped == [sparse, None]
     assert arrived.numpy().tolist() == [5.0]
@@ -58,13 +58,13 @@ def test_ship_gradients_without_dense_gradients_still_delivers_the_report():
 
 def test_home_device_is_the_one_device_or_none():
     a, b = tf.Variable(1.0), tf.Variable(2.0)
-    assert update.home_device([a, b]) == a.device
+    assert gradients.home_device([a, b]) == a.device
 
     class Elsewhere:
         device = "/job:ps/replica:0/task:1/device:CPU:0"
 
-    assert update.home_device([a, Elsewhere()]) is None
-    assert update.home_device([]) is None
+    assert gradients.home_device([a, Elsewhere()]) is None
+    assert gradients.home_device([]) is None
 
 
 def test_report_ring_takes_rows_in_slot_order_and_counts_lost_slots():

@@ -3,9 +3,10 @@
 import keras
 import tensorflow as tf
 
+from keras_dist import _compat
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 from keras_dist.training import update as update_lib
-from keras_dist.optimizers.base import StalenessAwareOptimizer, _chain
+from keras_dist.optimizers.base import StalenessAwareOptimizer, _chain, write_rows
 
 
 @keras.saving.register_keras_serializable(package="keras_dist")
@@ -77,6 +78,7 @@ class DANA(StalenessAwareOptimizer):
 
     needs_worker = True
     family = "momentum"
+    config_fields = ("momentum", "workers")
     unknown_staleness_means = "it trains as the only worker: Nesterov SGD"
 
     def __init__(self, inner_optimizer, momentum=0.9, workers=None, name="dana", **kwargs):
@@ -118,23 +120,20 @@ class DANA(StalenessAwareOptimizer):
             update = update_lib.UpdateInfo(staleness=0, worker=0)  # one process: worker 0
         return super().apply(grads, trainable_variables, update=update)
 
-    def transform(self, grads, variables, staleness, pulled, worker=None):
+    def transform(self, grads, variables, update):
+        worker = update.worker
         if worker is None:
             raise ValueError("DANA needs the worker of each update; AsyncModel gives it "
                              "under parameter servers, and simulate.fit in simulation. "
                              "Pass update=UpdateInfo(staleness, worker=...) to apply().")
         worker = tf.reshape(tf.cast(worker, tf.int32), [1])
-        out = []
-        for g, variable in zip(grads, variables):
-            if g is None:
-                out.append(None)
-                continue
-            slot = self.velocities[self._get_variable_index(variable)].value
-            g = tf.convert_to_tensor(g)
-            velocity = self.momentum * tf.gather(slot, worker) + g[None]
-            slot.scatter_update(tf.IndexedSlices(velocity, worker))
-            out.append(g + self.momentum * velocity[0])
-        return out, None
+
+        def nesterov(g, variable, i, w_pulled):
+            velocity = self.momentum * tf.gather(self.velocities[i].value, worker) + g[None]
+            write_rows(self.velocities[i], worker, velocity)
+            return g + self.momentum * velocity[0], None
+
+        return self.map_gradients(nesterov, grads, variables), None
 
     def master_weights(self, variables=None):
         """The paper's `theta`: the weights plus `eta * gamma * sum_j v_j`.
@@ -146,14 +145,11 @@ class DANA(StalenessAwareOptimizer):
         Returns:
             A list of tensors, one per variable.
         """
-        variables = variables or self._trainable_variables
+        variables = variables or _compat.built_variables(self)
         eta = tf.cast(self.learning_rate, tf.float32)
         return [v.value + tf.cast(eta * self.momentum, v.dtype)
-                * tf.reduce_sum(self.velocities[self._get_variable_index(v)].value, axis=0)
+                * tf.reduce_sum(self.velocities[_compat.variable_index(self, v)].value, axis=0)
                 for v in variables]
-
-    def get_config(self):
-        return {**super().get_config(), "momentum": self.momentum, "workers": self.workers}
 
 
 def _check_workers(workers):

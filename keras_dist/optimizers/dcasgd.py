@@ -4,7 +4,7 @@ import keras
 import tensorflow as tf
 
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
-from keras_dist.optimizers.base import StalenessAwareOptimizer, check_pulled
+from keras_dist.optimizers.base import StalenessAwareOptimizer, write
 
 MODES = ("constant", "adaptive")
 
@@ -62,7 +62,10 @@ class DCASGD(StalenessAwareOptimizer):
     """
 
     needs_pulled_weights = True
+    pulled_weights_for = ("corrects each gradient by how far its weight moved since the "
+                          "worker read it (w_now - w_pulled)")
     family = "compensation"
+    config_fields = ("mode", "lambda_", "lambda0", "momentum", "epsilon")
 
     def __init__(self, inner_optimizer, mode="constant", lambda_=0.04, lambda0=2.0,
                  momentum=0.95, epsilon=1e-7, name="dcasgd", **kwargs):
@@ -86,30 +89,16 @@ class DCASGD(StalenessAwareOptimizer):
             self._mean_squares = [self.add_variable_from_reference(v, "mean_square")
                                   for v in var_list]
 
-    def transform(self, grads, variables, staleness, pulled):
-        check_pulled("DCASGD", "corrects each gradient by how far its weight moved since "
-                     "the worker read it (w_now - w_pulled)", pulled, variables)
-        out, ratios = [], []
-        for i, (g, variable, w_pulled) in enumerate(zip(grads, variables, pulled)):
-            if g is None:
-                out.append(None)
-                continue
-            g = tf.convert_to_tensor(g)
+    def transform(self, grads, variables, update):
+        def compensate(g, variable, i, w_pulled):
             if self.mode == "adaptive":
-                ms = self._mean_squares[i].value
-                new_ms = self.momentum * ms + (1.0 - self.momentum) * g * g
-                ms.assign(new_ms)
+                ms = self._mean_squares[i]
+                new_ms = self.momentum * ms.value + (1.0 - self.momentum) * g * g
+                write(ms, new_ms)
                 lam = self.lambda0 / tf.sqrt(new_ms + self.epsilon)
             else:
                 lam = self.lambda_
             correction = lam * g * g * (variable.value - w_pulled)
-            ratios.append(tf.norm(correction) / (tf.norm(g) + 1e-12))
-            out.append(g + correction)
-        if ratios:
-            self.record_scale(tf.reduce_mean(tf.stack(ratios)))
-        return out, None
+            return g + correction, tf.norm(correction) / (tf.norm(g) + 1e-12)
 
-    def get_config(self):
-        return {**super().get_config(), "mode": self.mode, "lambda_": self.lambda_,
-                "lambda0": self.lambda0, "momentum": self.momentum,
-                "epsilon": self.epsilon}
+        return self.map_gradients(compensate, grads, variables, update.pulled), None

@@ -3,11 +3,11 @@
 import keras
 
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
-from keras_dist.optimizers.base import StalenessAwareOptimizer, scale_gradients
+from keras_dist.optimizers.base import StalenessScaling
 
 
 @keras.saving.register_keras_serializable(package="keras_dist")
-class DynSGD(StalenessAwareOptimizer):
+class DynSGD(StalenessScaling):
     """Scales each update by `1 / (tau + 1)` (DynSGD).
 
     From Jiang, Cui, Zhang and Yu, "Heterogeneity-aware Distributed Parameter
@@ -35,12 +35,7 @@ class DynSGD(StalenessAwareOptimizer):
     'Adam'
     """
 
-    family = "scaling"
+    default_name = "dyn_sgd"
 
-    def __init__(self, inner_optimizer, name="dyn_sgd", **kwargs):
-        super().__init__(inner_optimizer, name=name, **kwargs)
-
-    def transform(self, grads, variables, staleness, pulled):
-        scale = 1.0 / (staleness + 1.0)
-        self.record_scale(scale)
-        return scale_gradients(grads, scale), None
+    def scale(self, staleness):
+        return 1.0 / (staleness + 1.0)

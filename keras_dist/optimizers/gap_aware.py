@@ -3,8 +3,9 @@
 import keras
 import tensorflow as tf
 
+from keras_dist import _compat
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
-from keras_dist.optimizers.base import StalenessAwareOptimizer, check_pulled
+from keras_dist.optimizers.base import StalenessAwareOptimizer, add, write
 
 
 @keras.saving.register_keras_serializable(package="keras_dist")
@@ -72,7 +73,9 @@ class GapAware(StalenessAwareOptimizer):
     """
 
     needs_pulled_weights = True
+    pulled_weights_for = "measures how far each weight moved since the worker read it"
     family = "scaling"
+    config_fields = ("beta", "epsilon", "measure", "momentum", "scale_weight_decay")
 
     def __init__(self, inner_optimizer, beta=0.999, epsilon=1e-8, measure="gradient",
                  momentum=None, scale_weight_decay=False, name="gap_aware", **kwargs):
@@ -92,7 +95,6 @@ class GapAware(StalenessAwareOptimizer):
         if measure == "momentum" and momentum is None:
             momentum = _inner_momentum(inner_optimizer)
         self.momentum = None if momentum is None else float(momentum)
-        self._decay_fixes = []
 
     def build_state(self, var_list):
         self._second_moments = [self.add_variable_from_reference(v, "gap_second_moment")
@@ -103,63 +105,33 @@ class GapAware(StalenessAwareOptimizer):
         self._updates = self._scalar("gap_updates")
         self._eta_max = self._scalar("eta_max")
 
-    def transform(self, grads, variables, staleness, pulled):
-        check_pulled("GapAware", "measures how far each weight moved since the worker "
-                     "read it", pulled, variables)
-        t = self._updates.value.assign_add(1.0)
+    def transform(self, grads, variables, update):
+        t = add(self._updates, 1.0)
         lr = tf.cast(self.learning_rate, tf.float32)
-        eta_max = self._eta_max.value.assign(tf.maximum(self._eta_max.value, lr))
-        out, penalties = [], []
-        for g, variable, w_pulled in zip(grads, variables, pulled):
-            if g is None:
-                out.append(None)
-                continue
-            i = self._get_variable_index(variable)
-            g = tf.convert_to_tensor(g)
+        eta_max = write(self._eta_max, tf.maximum(self._eta_max.value, lr))
+        base = _base(self.inner_optimizer)
+        wd = getattr(base, "weight_decay", None) if self.scale_weight_decay else None
+
+        def penalize(g, variable, i, w_pulled):
             step = g
             if self.measure == "momentum":
-                buffer = self._buffers[i].value
-                step = self.momentum * buffer + g
-                buffer.assign(step)
-            v = self._second_moments[i].value
-            new_v = self.beta * v + (1.0 - self.beta) * step * step
-            v.assign(new_v)
+                step = self.momentum * self._buffers[i].value + g
+                write(self._buffers[i], step)
+            new_v = self.beta * self._second_moments[i].value + (1.0 - self.beta) * step * step
+            write(self._second_moments[i], new_v)
             v_hat = new_v / (1.0 - tf.pow(self.beta, t))
             c = tf.cast(eta_max, g.dtype) * (tf.sqrt(v_hat) + self.epsilon)
             w_now = variable.value
             penalty = 1.0 + tf.abs(w_now - w_pulled) / c
-            penalties.append(tf.reduce_mean(penalty))
-            out.append(g / penalty)
-            if self.scale_weight_decay:
-                # A value, not the variable: read before the inner update.
-                self._decay_fixes.append((variable, tf.identity(w_now), penalty))
-        if penalties:
-            self.record_scale(tf.reduce_mean(tf.stack(penalties)))
-        return out, None
+            if wd and _compat.uses_weight_decay(base, variable):
+                # The inner optimizer decays the weight by lr * wd * w in full
+                # (lr as it is before it counts this step); give back the part
+                # the penalty takes off: lr * wd * w * (1 - 1/G), w as read now.
+                self.add_after_update(variable, tf.cast(lr * wd, w_now.dtype)
+                                      * tf.identity(w_now) * (1.0 - 1.0 / penalty))
+            return g / penalty, tf.reduce_mean(penalty)
 
-    def apply(self, grads, trainable_variables=None, update=None):
-        self._decay_fixes = []
-        base = _base(self.inner_optimizer)
-        wd = getattr(base, "weight_decay", None) if self.scale_weight_decay else None
-        if wd:  # the rate the inner optimizer decays with (before it counts this step)
-            lr = tf.cast(base.learning_rate, tf.float32)
-        try:
-            result = super().apply(grads, trainable_variables, update=update)
-            # The inner optimizer decayed each weight by lr * wd * w in full;
-            # give back the part the penalty takes off: lr * wd * w * (1 - 1/G).
-            if self._decay_fixes and wd:
-                for variable, w_now, penalty in self._decay_fixes:
-                    if base._use_weight_decay(variable):
-                        variable.assign_add(tf.cast(lr * wd, w_now.dtype) * w_now
-                                            * (1.0 - 1.0 / penalty))
-            return result
-        finally:
-            self._decay_fixes = []
-
-    def get_config(self):
-        return {**super().get_config(), "beta": self.beta, "epsilon": self.epsilon,
-                "measure": self.measure, "momentum": self.momentum,
-                "scale_weight_decay": self.scale_weight_decay}
+        return self.map_gradients(penalize, grads, variables, update.pulled), None
 
 
 MEASURES = ("gradient", "momentum")

@@ -39,6 +39,7 @@ class StalenessLimit(StalenessAwareOptimizer):
     """
 
     family = "limit"
+    config_fields = ("max_staleness",)
     count_drops = True
 
     def __init__(self, inner_optimizer, max_staleness, name="staleness_limit", **kwargs):
@@ -50,8 +51,5 @@ class StalenessLimit(StalenessAwareOptimizer):
         super().__init__(inner_optimizer, name=name, **kwargs)
         self.max_staleness = max_staleness
 
-    def transform(self, grads, variables, staleness, pulled):
-        return grads, staleness <= tf.cast(self.max_staleness, staleness.dtype)
-
-    def get_config(self):
-        return {**super().get_config(), "max_staleness": self.max_staleness}
+    def transform(self, grads, variables, update):
+        return grads, update.staleness <= tf.cast(self.max_staleness, update.staleness.dtype)

@@ -4,11 +4,11 @@ import keras
 import tensorflow as tf
 
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
-from keras_dist.optimizers.base import StalenessAwareOptimizer, scale_gradients
+from keras_dist.optimizers.base import StalenessScaling
 
 
 @keras.saving.register_keras_serializable(package="keras_dist")
-class StalenessScaled(StalenessAwareOptimizer):
+class StalenessScaled(StalenessScaling):
     """Staleness-aware ASGD: learning rate divided by `max(tau, 1)`.
 
     From Zhang, Gupta, Lian and Liu, "Staleness-aware Async-SGD for
@@ -36,12 +36,7 @@ class StalenessScaled(StalenessAwareOptimizer):
     'staleness_scaled'
     """
 
-    family = "scaling"
+    default_name = "staleness_scaled"
 
-    def __init__(self, inner_optimizer, name="staleness_scaled", **kwargs):
-        super().__init__(inner_optimizer, name=name, **kwargs)
-
-    def transform(self, grads, variables, staleness, pulled):
-        scale = 1.0 / tf.maximum(staleness, 1.0)
-        self.record_scale(scale)
-        return scale_gradients(grads, scale), None
+    def scale(self, staleness):
+        return 1.0 / tf.maximum(staleness, 1.0)

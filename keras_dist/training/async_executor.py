@@ -22,13 +22,13 @@ Around each `train_step` the executor adds, explicitly:
 - the update: the step's call of `optimizer.apply` is captured and applied
   once the step returns, with tau, the pulled weights and the worker handed
   to staleness-aware optimizers as data (`keras_dist.training.update.UpdateInfo`),
-  under the non-finite policy (`keras_dist.training.update.NonFinitePolicy`); the
+  under the non-finite policy (`keras_dist.training.nonfinite.NonFinitePolicy`); the
   optimizer's `iterations` counts with TF's atomic `assign_add`
   (`keras_dist.training.update.atomic_iterations`): Keras' read-then-write loses
   increments when workers race, and costs two transfers in a row;
 - transfers cut to the bone when every weight lives on one parameter
   server: the gradients go there in one transfer and the whole update runs
-  there (`keras_dist.training.update.ship_gradients`); the taus stay there until the
+  there (`keras_dist.training.gradients.ship_gradients`); the taus stay there until the
   execution's end; at `steps_per_execution=1` the execution's report rides
   with the gradients and is kept in a ring there that the chief reads every
   few executions (`keras_dist.training.step_report.ReportRing`) instead of being
@@ -47,7 +47,6 @@ Validation runs on the chief, reading the current weights from the
 parameter servers.
 """
 
-import contextlib
 import dataclasses
 import logging
 import threading
@@ -424,8 +423,10 @@ class AsyncExecutor(driver.Executor):
     def _schedule(self, fn):
         optimizer = self.model.optimizer
         while True:
-            counting = (contextlib.nullcontext() if self._local  # stateless: counted by delta
-                        else update.atomic_iterations(optimizer))
+            # With local steps the model's optimizer steps on tensors (its count
+            # is pushed as a change); the outer optimizer's counts atomically.
+            counting = update.atomic_iterations(self.outer_optimizer if self._local
+                                                else optimizer)
             try:
                 with update.intercept_apply(optimizer), counting, guard.finite_loss_only(
                         self.model, self.nonfinite_updates):

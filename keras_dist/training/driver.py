@@ -39,7 +39,6 @@ from keras_dist.training import compiled
 from keras_dist.training import data as data_lib
 from keras_dist.training import nonfinite as guard
 from keras_dist.training import plan as plan_lib
-from keras_dist.training import update
 from keras_dist.callbacks import base as replica_cbs
 
 
@@ -85,14 +84,14 @@ class Executor(abc.ABC):
         if isinstance(plan, tf.distribute.Strategy):
             plan = plan_lib.RunPlan(strategy=plan)
         self.model, self.plan, self.strategy = model, plan, plan.strategy
-        self.nonfinite_updates = update.NonFinitePolicy(plan.nonfinite_updates or "skip").mode
+        self.nonfinite_updates = guard.NonFinitePolicy(plan.nonfinite_updates or "skip").mode
         self.faults = plan.faults
         self.cluster = plan.cluster
         # The task that leads (the chief, or worker 0 without one); without a
         # cluster description, the strategy knows (only the leader checkpoints).
         self.is_chief = plan.is_chief
         self.ran_out = False
-        self.policy = None  # an update.NonFinitePolicy, from begin_training on
+        self.policy = None  # a guard.NonFinitePolicy, from begin_training on
 
     @abc.abstractmethod
     def begin_training(self, train_input, callbacks):
@@ -316,7 +315,7 @@ def fit(executor, x=None, y=None, *, batch_size=None, epochs=1,
                 break
         executor.end_training()
     except tf.errors.OpError as error:
-        update.raise_if_nonfinite(error, epoch)  # keras_dist's own error, not TF's
+        guard.raise_if_nonfinite(error, epoch)  # keras_dist's own error, not TF's
         raise
     finally:
         executor.release()

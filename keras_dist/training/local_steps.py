@@ -37,17 +37,20 @@ of the same optimizer (the push adds `w_k - w_0` to `w_0`: equal up to one
 float rounding).
 """
 
+import functools
+
 import keras
 import numpy as np
 import tensorflow as tf
 
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 from keras_dist.training import driver
+from keras_dist.training import gradients
+from keras_dist.training import nonfinite
 from keras_dist.training import stateless
 from keras_dist.training import step_report
 from keras_dist.training import steps as steps_lib
 from keras_dist.training import update
-from keras_dist.optimizers.base import StalenessAwareOptimizer
 
 
 def check_args(local_steps, outer_optimizer, elastic=None):
@@ -106,7 +109,8 @@ def check_model(model, strategy, local):
     Raises:
         ValueError: for local steps under a synchronous strategy, together
             with `steps_per_execution` > 1, with a custom `train_step`, or
-            with an optimizer that cannot step on tensors.
+            with an optimizer that cannot step on tensors (a
+            `LossScaleOptimizer`).
     """
     local_steps = local.steps
     if not isinstance(strategy, tf.distribute.ParameterServerStrategy):
@@ -130,16 +134,20 @@ def check_model(model, strategy, local):
             "default step on tensors (the variables stay on the parameter servers) and "
             "cannot run a custom one. Train with local_steps=1 (your train_step then "
             "runs on every update), or move the custom logic into compute_loss.")
-    optimizer = model.optimizer
+    check_optimizer(model.optimizer)
+
+
+def check_optimizer(optimizer):
+    """Raises `ValueError` for a model's optimizer that cannot take local
+    steps (step on the worker's copy, on tensors; `check_model` and
+    `keras_dist.simulate.fit` check it)."""
     if not stateless.supports(optimizer):
-        hint = ""
-        if isinstance(optimizer, StalenessAwareOptimizer):
-            hint = (" A staleness-aware wrapper acts on pushes: pass it as "
-                    "outer_optimizer=kd.optimizers.DynSGD(keras.optimizers.SGD(1.0)) "
-                    "and compile the model with its inner optimizer.")
         raise ValueError(
-            f"Local steps need a plain Keras optimizer on the model (it steps on the "
-            f"worker's copy); got {type(optimizer).__name__}.{hint}")
+            "Local steps need an optimizer that steps on the worker's copy (on tensors): "
+            "a Keras optimizer, or a staleness-aware wrapper around one "
+            f"(kd.optimizers); got {type(optimizer).__name__}. A LossScaleOptimizer "
+            "(what Keras' compile adds under mixed_float16) cannot: train it with "
+            "local_steps=1.")
 
 
 def check_elastic(elastic, outer_optimizer):
@@ -182,8 +190,8 @@ class ElasticCopies:
 
     Example:
 
-    >>> import keras
     >>> from keras_dist.training.local_steps import ElasticCopies
+    >>> import keras
     >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     >>> copies = ElasticCopies(model, workers=4, alpha=0.2)
     >>> [tuple(v.shape) for v in copies.variables]
@@ -215,7 +223,7 @@ def local_round(state, batches, worker, faults, outer_optimizer, elastic=None):
     model, optimizer = state.model, state.model.optimizer
     trainable = list(model.trainable_variables)
     non_trainable = list(model.non_trainable_variables)
-    metric_vars = state.metric_variables
+    metric_vars = state.metrics.variables
     opt_vars = list(optimizer.variables)
     start, batches = step_report.start_clock(batches)
     # The pull: version, weights, other state, optimizer state; one round trip.
@@ -234,15 +242,10 @@ def local_round(state, batches, worker, faults, outer_optimizer, elastic=None):
     for data in batches:
         w, nt, metrics, opt, logs = _local_step(model, optimizer, data, trainable, w,
                                                 non_trainable, nt, metric_vars, metrics,
-                                                opt, tracker)
+                                                opt, tracker, worker_index)
         examples += step_report.batch_examples(data)
     delta = [new - old for new, old in zip(w, start_from)]
-    ready = list(delta)
-    slowed = bool(faults and faults.slowed)
-    if slowed:  # this round takes `factor` times as long
-        with tf.control_dependencies(ready):
-            now = tf.timestamp()
-        ready = faults.slow_down(worker, now - start, now) or ready
+    ready = after_slowdown(faults, worker, start, delta)  # the round, slowed down
     with tf.control_dependencies(ready):
         one = tf.ones([], tf.int64)
     tau = state.version.claim(read, one)
@@ -258,16 +261,14 @@ def local_round(state, batches, worker, faults, outer_optimizer, elastic=None):
     with tf.control_dependencies(writes + [claimed]):  # claimed <= seconds
         seconds = tf.timestamp() - start
     loss_sum, loss_count = state.metrics.loss_state(metrics)
-    logs = {name: value for name, value in logs.items()
-            if tf.is_tensor(value) and value.shape.rank == 0}
-    names = sorted(logs)
+    logs, names = scalar_logs(logs)
     state.log_names[len(batches)] = names
     return step_report.pack(worker, seconds, examples, loss_sum, loss_count, [tau],
                             logs, names, state=metrics, skipped=skipped, claimed=claimed)
 
 
 def _local_step(model, optimizer, data, trainable, w, non_trainable, nt, metric_vars,
-                metrics, opt, tracker):
+                metrics, opt, tracker, worker):
     """Keras' default `train_step` on tensors: returns the new state."""
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     mapping = (list(zip(trainable, w)) + list(zip(non_trainable, nt))
@@ -283,10 +284,44 @@ def _local_step(model, optimizer, data, trainable, w, non_trainable, nt, metric_
                 tracker.update_state(loss, sample_weight=tf.shape(first)[0])
             logs = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
     grads = tape.gradient(loss, w)
-    w, opt = stateless.stateless_apply(optimizer, opt, grads, w)
+    w, opt = step_on_copy(optimizer, opt, grads, w, worker)
     nt = [_current(scope, v, old) for v, old in zip(non_trainable, nt)]
     metrics = [_current(scope, v, old) for v, old in zip(metric_vars, metrics)]
     return list(w), nt, metrics, list(opt), driver.flatten_logs(logs or {})
+
+
+def scalar_logs(logs):
+    """The scalar entries of a step's logs, flattened (`driver.flatten_logs`),
+    and their names in order: what a worker's report carries."""
+    logs = {name: value for name, value in driver.flatten_logs(logs).items()
+            if tf.is_tensor(value) and value.shape.rank == 0 or isinstance(value, (int, float))}
+    return logs, sorted(logs)
+
+
+def after_slowdown(faults, worker, start, ready):
+    """`ready` (tensors), or, when injected faults slow `worker` down, what
+    is ready once it has slept `factor - 1` times the time since `start`
+    (so the step or round takes `factor` times as long)."""
+    if not (faults and faults.slowed):
+        return list(ready)
+    with tf.control_dependencies(ready):
+        now = tf.timestamp()
+    return faults.slow_down(worker, now - start, now) or list(ready)
+
+
+def step_on_copy(optimizer, optimizer_state, grads, weights, worker):
+    """One local step's update of the worker's copy, on tensors: `(new
+    weights, new optimizer state)`.
+
+    The update has staleness 0 and the copy as its pulled weights: nothing
+    but this worker writes its copy. So a staleness-aware wrapper as the
+    model's optimizer steps exactly as its inner optimizer (DANA: as
+    Nesterov SGD with this worker's velocity); it corrects for staleness as
+    the outer optimizer, which applies whole pushes.
+    """
+    info = update.UpdateInfo(staleness=0, pulled=weights, worker=worker)
+    return update.apply_with(info, stateless.stateless_apply, optimizer, optimizer_state,
+                             grads, weights)
 
 
 def _push(state, outer, trainable, delta, opt_vars, opt, opt0, non_trainable, nt, nt0,
@@ -295,30 +330,16 @@ def _push(state, outer, trainable, delta, opt_vars, opt, opt0, non_trainable, nt
     the outer optimizer), under the non-finite policy. Returns `(writes,
     skipped)`: a skipped round (0/1, float64) is reported, not written."""
     policy = state.policy
-    finite = update.all_finite(delta)
-    skipped = tf.cast(tf.logical_not(finite), tf.float64)
-    writes = []
-    if policy.mode == "raise":
-        writes.append(tf.debugging.Assert(finite, [
-            "keras_dist: a round of local steps ended with non-finite weights (NaN or "
-            "Inf); to skip such rounds instead, pass nonfinite_updates='skip'"]))
+    finite, skipped, writes = _round_check(policy, delta)
     with tf.control_dependencies(writes):
         if outer is None:
             for v, d in zip(trainable, delta):
                 writes.append(v.value.assign_add(tf.where(finite, d, tf.zeros_like(d))))
         else:
             info = update.UpdateInfo(staleness=tau, pulled=pulled, worker=worker)
-
-            def apply_fn(grads, variables):
-                if isinstance(outer, StalenessAwareOptimizer):
-                    outer.apply(grads, variables, update=info)
-                    return
-                with update.providing(info):
-                    outer.apply(grads, variables)
-
             pseudo = [-d for d in delta]
-            gated = policy.apply(apply_fn, pseudo, trainable, finite=finite, optimizer=outer,
-                                 gate=True)
+            gated = policy.apply(functools.partial(update.apply_with, info, outer.apply),
+                                 pseudo, trainable, finite=finite, optimizer=outer, gate=True)
             if gated is None:  # counted by the policy itself
                 skipped = tf.constant(0.0, tf.float64)
         writes += _state_writes(opt_vars, opt, opt0, non_trainable, nt, nt0, finite)
@@ -331,13 +352,7 @@ def _push_elastic(state, elastic, trainable, x, centre, x_start, worker, opt_var
     the worker's copy keeps `x_i - e`. A round that ended non-finite
     changes nothing (or raises): the copy stays `x_start`, as read at the
     pull (only this worker writes its row)."""
-    finite = update.all_finite(x)
-    skipped = tf.cast(tf.logical_not(finite), tf.float64)
-    writes = []
-    if state.policy.mode == "raise":
-        writes.append(tf.debugging.Assert(finite, [
-            "keras_dist: a round of local steps ended with non-finite weights (NaN or "
-            "Inf); to skip such rounds instead, pass nonfinite_updates='skip'"]))
+    finite, skipped, writes = _round_check(state.policy, x)
     with tf.control_dependencies(writes):
         elastic_moves = [tf.where(finite, elastic.alpha * (xi - c), tf.zeros_like(c))
                          for xi, c in zip(x, centre)]
@@ -347,6 +362,17 @@ def _push_elastic(state, elastic, trainable, x, centre, x_start, worker, opt_var
                                          for xi, e, old in zip(x, elastic_moves, x_start)])
         writes += _state_writes(opt_vars, opt, opt0, non_trainable, nt, nt0, finite)
     return writes, skipped
+
+
+def _round_check(policy, values):
+    """A round's non-finite check, on what it pushes: `(finite, skipped,
+    checks)`; `skipped` is the float64 0/1 a skipped round reports, and under
+    "raise" `checks` is the check that stops training
+    (`keras_dist.training.nonfinite.check`), for the push to wait on."""
+    finite = gradients.all_finite(values)
+    skipped = tf.cast(tf.logical_not(finite), tf.float64)
+    checks = [nonfinite.check(finite, "round")] if policy.mode == "raise" else []
+    return finite, skipped, checks
 
 
 def _state_writes(opt_vars, opt, opt0, non_trainable, nt, nt0, finite):

@@ -1,9 +1,13 @@
 """One non-finite rule for every loop, Keras' own one-device loop included.
 
-keras_dist's executors (several replicas, parameter servers) apply each
-update under `update.NonFinitePolicy`. On one device `kd.fit` trains with
-Keras' own `model.fit`, which applies an update with NaN / Inf gradients as
-it is (the weights become NaN). `keras_loop(model, mode)` puts the same
+`NonFinitePolicy` is what keras_dist's executors (several replicas,
+parameter servers) do with an update whose gradients are NaN or Inf, in the
+manner of optax's `apply_if_finite`: `"skip"` it (and count it) or
+`"raise"` `NonFiniteUpdateError` (`raise_if_nonfinite` turns TensorFlow's
+failed check into it).
+
+On one device `kd.fit` trains with Keras' own `model.fit`, which applies an
+update with NaN / Inf gradients as it is (the weights become NaN). `keras_loop(model, mode)` puts the same
 policy inside Keras' loop, at the optimizer, as Keras' `LossScaleOptimizer`
 guards its own updates: while `model.fit` runs, the model's `train_step` is
 traced with the optimizer's `apply` routed through the policy, so `"skip"`
@@ -30,7 +34,222 @@ import tensorflow as tf
 
 from keras_dist import _compat
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
+from keras_dist.training import gradients
 from keras_dist.training import update
+
+MODES = ("skip", "raise")
+
+# What the "raise" policy's check says when it fails, by what it checks, after
+# a mark `raise_if_nonfinite` finds in TensorFlow's error (no quotes: TF
+# escapes them).
+_NONFINITE_MARK = "keras_dist: non-finite"
+_CHECKED = {
+    "gradients": "an update's gradients are not finite (NaN or Inf)",
+    "round": "a round of local steps ended with non-finite weights (NaN or Inf)",
+}
+
+
+class NonFiniteUpdateError(FloatingPointError):
+    """An update's gradients were NaN or Inf under `nonfinite_updates="raise"`.
+
+    Raised by `keras_dist.fit` and `AsyncModel.fit` (keras_dist's own loops:
+    several replicas, parameter servers) in place of TensorFlow's
+    `InvalidArgumentError: Graph execution error`, which would bury the cause.
+    The weights are those before the failing update.
+
+    Example:
+
+    >>> from keras_dist.training.nonfinite import NonFiniteUpdateError
+    >>> issubclass(NonFiniteUpdateError, FloatingPointError)
+    True
+    """
+
+
+def check(finite, what="gradients"):
+    """The "raise" policy's check: an op that fails when the bool tensor
+    `finite` is false, saying `what` was not finite ("gradients", or
+    "round": a round of local steps), in words `raise_if_nonfinite` finds."""
+    return tf.debugging.Assert(finite, [f"{_NONFINITE_MARK} {what}: {_CHECKED[what]}"])
+
+
+def raise_if_nonfinite(error, epoch):
+    """Raises `NonFiniteUpdateError` when TensorFlow's `error` is the "raise"
+    policy's check (`check`) failing in `epoch` (0-based); returns otherwise.
+
+    Example:
+
+    >>> import tensorflow as tf
+    >>> from keras_dist.training import nonfinite
+    >>> try:
+    ...     nonfinite.check(tf.constant(False), "round")
+    ... except tf.errors.InvalidArgumentError as error:
+    ...     nonfinite.raise_if_nonfinite(error, epoch=2)
+    Traceback (most recent call last):
+    ...
+    keras_dist.training.nonfinite.NonFiniteUpdateError: In epoch 3, a round of local steps ended with non-finite weights (NaN or Inf), ...
+    """
+    message = str(getattr(error, "message", error))
+    for what, checked in _CHECKED.items():
+        if f"{_NONFINITE_MARK} {what}:" in message:
+            raise NonFiniteUpdateError(
+                f"In epoch {epoch + 1}, {checked}, and nonfinite_updates='raise' stops "
+                "training there (the weights are those before that update). Look for "
+                "NaN or Inf in the inputs or the loss, or lower the learning rate; to "
+                "skip such updates and count them instead, pass "
+                "nonfinite_updates='skip' to keras_dist.fit or set "
+                "model.nonfinite_updates = 'skip'.") from None
+
+
+class NonFinitePolicy:
+    """What an executor does with an update whose gradients are not finite.
+
+    - `"skip"`: the update is not applied (weights, optimizer slots and the
+      step count are untouched) and it is counted: `skipped` on the parameter
+      servers or mirrored replicas, reported as `skipped_nonfinite` in the
+      epoch logs of any epoch that skipped one.
+    - `"raise"`: training stops with a `NonFiniteUpdateError` naming the
+      epoch and the option.
+
+    Under a `LossScaleOptimizer` (mixed_float16) that optimizer skips
+    non-finite steps itself (and lowers its loss scale); the policy leaves
+    the decision to it. The policy is the same on one device, where
+    `keras_dist.fit` guards Keras' own loop with it (`keras_loop`).
+
+    Args:
+        mode: String. `"skip"` or `"raise"`. Defaults to `"skip"`.
+
+    Example:
+
+    >>> from keras_dist.training.nonfinite import NonFinitePolicy
+    >>> NonFinitePolicy("raise").mode
+    'raise'
+
+    Raises:
+        ValueError: for any other mode.
+    """
+
+    def __init__(self, mode="skip"):
+        if mode not in MODES:
+            raise ValueError(
+                f"`nonfinite_updates` must be one of {MODES}. Received: "
+                f"nonfinite_updates={mode!r}.")
+        self.mode = mode
+        self.counter = None
+        self._replicated = False
+
+    def build(self, replicated=False):
+        """Creates the skip counter in the current strategy's scope.
+
+        With `replicated=True` (synchronous replicas, which all take the
+        same decision) each replica counts into its own copy, without any
+        communication, and the first replica's count is read.
+        """
+        if self.counter is None:
+            self._replicated = replicated
+            extra = dict(synchronization=tf.VariableSynchronization.ON_READ) if replicated else {}
+            self.counter = tf.Variable(
+                0, dtype=tf.int64, trainable=False, name="keras_dist_skipped_nonfinite",
+                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA, **extra)
+        return self
+
+    @property
+    def skipped(self):
+        """Integer. Updates skipped so far (reads the counter)."""
+        return 0 if self.counter is None else int(self.counter.numpy())
+
+    def begin_training(self):
+        """A new `fit` call: nothing skipped in it yet."""
+        self._reporting = False
+
+    def begin_epoch(self):
+        self._skipped_before = self.skipped
+
+    def epoch_logs(self):
+        """`{"skipped_nonfinite": n}` for the epoch once this `fit` call has
+        skipped anything (so a clean run's History is Keras'), else `{}`."""
+        skipped = self.skipped - getattr(self, "_skipped_before", 0)
+        self._reporting = getattr(self, "_reporting", False) or skipped > 0
+        return {"skipped_nonfinite": skipped} if self._reporting else {}
+
+    def apply(self, apply_fn, grads, variables, finite=None, optimizer=None, gate=False):
+        """Applies `apply_fn(grads, variables)` under the policy.
+
+        `finite` is a boolean tensor (the same on every replica of a
+        synchronous step); by default it is computed from `grads`. When
+        `optimizer` decides on non-finite updates itself (a
+        `LossScaleOptimizer`) the update is handed to it as it is. With
+        `gate` (parameter servers) a `gateable` optimizer skips by data
+        alone (`gated_writes`) instead of a conditional, and the update's
+        skip (a float64 0 or 1 tensor) is returned for the caller to report
+        and `add_skipped` on the chief; otherwise `None` (counted here).
+        """
+        if skips_itself(optimizer):
+            apply_fn(grads, variables)
+            return
+        if finite is None:
+            finite = gradients.all_finite(grads)
+        if self.mode == "raise":
+            with tf.control_dependencies([check(finite)]):
+                grads = gradients.identity_all(grads)
+            apply_fn(grads, variables)
+            return
+        if self._replicated:
+            self.counter.assign_add(tf.cast(tf.logical_not(finite), tf.int64))
+            apply_if(finite, apply_fn, grads, variables, lambda: tf.constant(False))
+            return
+        if gate and update.gateable(optimizer):
+            with update.gated_writes(optimizer, finite):
+                apply_fn(grads, variables)
+            # Counted by the caller (no round trip): see `add_skipped`.
+            return tf.cast(tf.logical_not(finite), tf.float64)
+        apply_if(finite, apply_fn, grads, variables, self._count)
+
+    def add_skipped(self, n):
+        """Counts `n` updates a worker skipped and reported (eager, on the chief)."""
+        if n:
+            self.counter.assign_add(int(n))
+
+    def _count(self):
+        # Counted only when skipped: no round trip to a parameter server otherwise.
+        with tf.control_dependencies([self.counter.assign_add(1)]):
+            return tf.constant(False)
+
+
+def skips_itself(optimizer):
+    """Whether `optimizer` decides on non-finite updates itself (loss scaling)."""
+    return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+
+
+def apply_if(keep, apply_fn, grads, variables, on_skip):
+    """Runs `apply_fn(grads, variables)` when the bool tensor `keep` is true,
+    else `on_skip()` (which returns a bool tensor).
+
+    An optimizer's apply synchronizes through `merge_call`, which may not sit
+    inside a `cond` in replica context; under a strategy the decision is
+    therefore taken in cross-replica context (the construction Keras'
+    `LossScaleOptimizer` uses). `keep` must be the same on every replica.
+    """
+    def applied(grads, variables):
+        apply_fn(grads, variables)
+        return tf.constant(True)
+
+    context = tf.distribute.get_replica_context()
+    if not tf.distribute.has_strategy() or context is None:
+        tf.cond(keep, lambda: applied(grads, variables), on_skip)
+        return
+
+    def decide(distribution, keep, grads, variables):
+        keep = distribution.experimental_local_results(keep)[0]
+
+        def apply_branch():
+            distribution.extended.call_for_each_replica(applied, args=(grads, variables))
+            return tf.constant(True)
+
+        if tf.executing_eagerly():  # an eager first step: a Python branch
+            return apply_branch() if bool(keep) else on_skip()
+        return tf.cond(keep, apply_branch, on_skip)
+
+    context.merge_call(decide, args=(keep, grads, variables))
 
 
 @contextlib.contextmanager
@@ -109,10 +328,8 @@ class _EpochLogs(keras.callbacks.Callback):
 
     def __init__(self, policy, callbacks):
         super().__init__()
-        self.policy = policy
-        self.callbacks = callbacks
-        self.epoch = 0
-        self.nothing = False
+        self.policy, self.callbacks = policy, callbacks
+        self.epoch, self.nothing = 0, False
 
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
@@ -152,9 +369,9 @@ def keras_loop(model, mode, fit, *args, **kwargs):
     >>> history.history["skipped_nonfinite"]
     [2]
     """
-    policy = update.NonFinitePolicy(mode)
+    policy = NonFinitePolicy(mode)
     optimizer = model.optimizer
-    if optimizer is None or update.skips_itself(optimizer):
+    if optimizer is None or skips_itself(optimizer):
         return fit(*args, **kwargs)  # a LossScaleOptimizer decides itself
     policy.build()
     policy.begin_training()
@@ -181,7 +398,7 @@ def keras_loop(model, mode, fit, *args, **kwargs):
         with update.intercept_apply(optimizer):
             return fit(*args, callbacks=callbacks, **kwargs)
     except tf.errors.InvalidArgumentError as error:
-        update.raise_if_nonfinite(error, logs.epoch)
+        raise_if_nonfinite(error, logs.epoch)
         raise
     finally:
         _compat.drop_override(model, "train_step")

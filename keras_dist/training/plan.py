@@ -279,7 +279,7 @@ class RunPlan:
 
 def check_nonfinite_mode(mode):
     """Raises `ValueError` unless `mode` is `"skip"` or `"raise"`; returns it."""
-    from keras_dist.training.update import NonFinitePolicy
+    from keras_dist.training.nonfinite import NonFinitePolicy
 
     return NonFinitePolicy(mode).mode
 

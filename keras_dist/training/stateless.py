@@ -5,72 +5,54 @@ with tf.distribute"): its updates go through `tf.distribute`'s
 `extended.update` on `tf.Variable`s. Local steps on a parameter-server
 worker (`keras_dist.training.local_steps`) need exactly that stateless form -- k
 steps on tensors, the remote variables untouched -- and there is no public
-route to it. This module is the one place that reaches into Keras'
-optimizer internals, and says so: for the duration of one call it gives
-the optimizer instance the backend-neutral versions of the few methods
-the TensorFlow subclass overrides (taken from the class that defines
-`stateless_apply`, Keras' `BaseOptimizer`), so Keras' own update rules run
-unchanged inside a `keras.StatelessScope`. A test (tests/test_local_steps.py)
-checks the result against the optimizer's stateful `apply` for SGD,
-momentum, Nesterov, Adam and AdamW.
+route to it. For the duration of one call this module gives the optimizer
+instance the backend-neutral versions of the few methods the TensorFlow
+subclass overrides (taken from the class that defines `stateless_apply`,
+Keras' `BaseOptimizer`; the private names go through `keras_dist._compat`),
+so Keras' own update rules run unchanged inside a `keras.StatelessScope`.
+A staleness-aware wrapper (`keras_dist.optimizers`) has a `stateless_apply`
+of its own, over its inner optimizer's (this one), as Keras'
+`LossScaleOptimizer` does. A test (tests/test_local_steps.py) checks the
+result against the optimizer's stateful `apply` for SGD, momentum,
+Nesterov, Adam and AdamW, and tests/test_local_wrappers.py each wrapper's.
 """
-
-import contextlib
 
 import keras
 
+from keras_dist import _compat
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
-
-_NEUTRAL = ("assign", "assign_add", "assign_sub", "_backend_update_step",
-            "_apply_weight_decay", "_backend_increment_gradient_accumulators")
-
-
-def _base_class(optimizer):
-    # The most basic class defining stateless_apply (the backend's subclass
-    # overrides it to raise).
-    for cls in reversed(type(optimizer).__mro__):
-        if "stateless_apply" in cls.__dict__ and "_backend_update_step" in cls.__dict__:
-            return cls
-    raise TypeError(f"{type(optimizer).__name__} has no backend-neutral stateless_apply.")
 
 
 def supports(optimizer):
-    """Whether `optimizer` can take local steps (a plain Keras optimizer)."""
+    """Whether `optimizer` can step on tensors (take local steps): a Keras
+    optimizer, or a staleness-aware wrapper around one; not a
+    `LossScaleOptimizer`."""
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         return False
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return False
+    if _wrapper(optimizer):
+        return supports(optimizer.inner_optimizer)
     if getattr(optimizer, "inner_optimizer", None) is not None:
         return False
-    try:
-        _base_class(optimizer)
-    except TypeError:
-        return False
-    return True
+    return _compat.neutral_optimizer_class(optimizer) is not None
 
 
-@contextlib.contextmanager
-def _neutral(optimizer):
-    base = _base_class(optimizer)
-    # Keys of the optimizer's slot table, computed outside the scope (the
-    # TensorFlow key reads the tf.Variable, which a scope replaces by a tensor).
-    keys = {id(v): optimizer._var_key(v) for v in optimizer._trainable_variables}
-    patched = {name: base.__dict__[name].__get__(optimizer) for name in _NEUTRAL
-               if name in base.__dict__}
-    patched["_var_key"] = lambda variable: keys[id(variable)]
-    optimizer.__dict__.update(patched)
-    try:
-        yield
-    finally:
-        for name in patched:
-            optimizer.__dict__.pop(name, None)
+def _wrapper(optimizer):
+    """A wrapper with a `stateless_apply` of its own (over its inner
+    optimizer's): keras_dist's staleness-aware ones."""
+    return (getattr(optimizer, "inner_optimizer", None) is not None
+            and type(optimizer).stateless_apply is not keras.optimizers.Optimizer.stateless_apply
+            and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer))
 
 
 def stateless_apply(optimizer, optimizer_variables, grads, trainable_variables):
     """Keras' `optimizer.stateless_apply`, on the TensorFlow backend.
 
     Args:
-        optimizer: A built Keras optimizer (not a wrapper).
+        optimizer: A built Keras optimizer, or a staleness-aware wrapper
+            (its own `stateless_apply`; the update's data is the current
+            update, `keras_dist.training.update.apply_with`).
         optimizer_variables: Tensors, one per `optimizer.variables`.
         grads: Gradient tensors, one per trainable variable it was built with.
         trainable_variables: Tensors, the current trainable values.
@@ -91,7 +73,15 @@ def stateless_apply(optimizer, optimizer_variables, grads, trainable_variables):
     >>> new_w[0].numpy().tolist(), w.numpy().tolist()
     ([0.5, 1.5], [1.0, 2.0])
     """
-    base = _base_class(optimizer)
-    with _neutral(optimizer):
+    if _wrapper(optimizer):
+        return optimizer.stateless_apply(list(optimizer_variables), list(grads),
+                                         list(trainable_variables))
+    base = _compat.neutral_optimizer_class(optimizer)
+    if base is None:
+        raise TypeError(f"{type(optimizer).__name__} has no backend-neutral stateless_apply.")
+    # The slot table's keys are taken outside the scope (the TensorFlow key
+    # reads the tf.Variable, which the scope replaces by a tensor).
+    with _compat.stateless_variable_keys(optimizer), \
+            _compat.instance_methods(optimizer, **_compat.neutral_methods(optimizer)):
         return base.stateless_apply(optimizer, list(optimizer_variables), list(grads),
                                     list(trainable_variables))

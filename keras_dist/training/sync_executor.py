@@ -15,10 +15,12 @@ The driver (`keras_dist.training.driver`) owns epochs and callbacks.
 
 Around the optimizer's `apply` (see `keras_dist.training.update`) each replica's
 update gets Keras' one-device semantics -- clipping on the global gradient,
-an unevenly split batch averaged over the global batch -- and the
-non-finite policy. With `ReplicaCallback`s (or injected slowdowns) each
-replica also measures its compute time before the all-reduce, its examples
-and its loss, reported through `keras_dist.training.step_report`.
+an unevenly split batch averaged over the global batch
+(`keras_dist.training.gradients`) -- and the non-finite policy
+(`keras_dist.training.nonfinite`). With `ReplicaCallback`s (or injected
+slowdowns) each replica also measures its compute time before the
+all-reduce, its examples and its loss, reported through
+`keras_dist.training.step_report`.
 """
 
 import contextlib
@@ -32,6 +34,7 @@ from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks
 from keras_dist.training import compiled
 from keras_dist.training import data as data_lib
 from keras_dist.training import driver
+from keras_dist.training import gradients
 from keras_dist.training import nonfinite as guard
 from keras_dist.training import stall
 from keras_dist.training import step_report
@@ -150,7 +153,7 @@ class _SyncState:
     def __init__(self, model, strategy, mode, faults):
         self.model, self.strategy, self.faults = model, strategy, faults
         self.nonfinite_updates = mode
-        self.policy = update.NonFinitePolicy(mode)
+        self.policy = guard.NonFinitePolicy(mode)
         with strategy.scope():
             self.policy.build(replicated=True)
         self._functions = {}
@@ -173,7 +176,7 @@ class _SyncState:
         model = self.model
         examples = step_report.batch_examples(data)
         synced = [] if instrument else None
-        hook = update.global_gradient_apply(model.optimizer, examples, self.policy, synced)
+        hook = gradients.global_gradient_apply(model.optimizer, examples, self.policy, synced)
         if not instrument:
             with update.apply_hook(hook):
                 return model.train_step(data)
@@ -197,7 +200,7 @@ class _SyncState:
             waits = (faults.slow_down(replica, ready - start, ready) if faults else []) or [ready]
             marks.append(waits[0])
             with tf.control_dependencies(waits):
-                grads = update.identity_all(grads)
+                grads = gradients.identity_all(grads)
             return hook(original, grads, variables)
 
         with update.apply_hook(timed):
@@ -310,7 +313,7 @@ class _StepFunctions:
         optimizer = self.model.optimizer if self._train else None
         replicas = self._strategy.num_replicas_in_sync
         with update.intercept_apply(optimizer), (
-                update.clipping_for_replicas(optimizer, replicas) if optimizer is not None
+                gradients.clipping_for_replicas(optimizer, replicas) if optimizer is not None
                 else contextlib.nullcontext()):
             if self._instrument:
                 tracing = k not in self._functions

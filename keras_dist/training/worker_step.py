@@ -13,6 +13,7 @@ the non-finite policy's counters, which outlive one `fit`.
 """
 
 import contextlib
+import functools
 
 import keras
 import tensorflow as tf
@@ -21,7 +22,9 @@ from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks
 from keras_dist.optimizers.base import StalenessAwareOptimizer
 from keras_dist.training import compiled
 from keras_dist.training import driver
+from keras_dist.training import gradients
 from keras_dist.training import local_steps as local_steps_lib
+from keras_dist.training import nonfinite
 from keras_dist.training import sharded
 from keras_dist.training import step_report
 from keras_dist.training import update
@@ -54,17 +57,13 @@ class WorkerStep:
         with strategy.scope():
             counter = getattr(model, "version_counter", None)
             self.version = counter if counter is not None else VersionCounter()
-            self.policy = update.NonFinitePolicy(mode).build()
+            self.policy = nonfinite.NonFinitePolicy(mode).build()
         model.__dict__["version_counter"] = self.version
         self._functions = {}
         self.held = {}  # worker -> the RemoteValue of its last finished execution
         self.log_names = {}
         self.metrics = None
         self.ring = None
-
-    @property
-    def metric_variables(self):
-        return self.metrics.variables
 
     def build(self, sample_batch):
         """Creates optimizer and metric state before training (variables
@@ -135,10 +134,10 @@ class WorkerStep:
         examples = tf.constant(0.0, tf.float64)
         # The metrics' state, from zero, summed over the k steps on the worker;
         # the chief adds it up (`ChiefMetrics`): no metric round trips here.
-        metrics = [tf.zeros(v.shape, v.dtype) for v in self.metric_variables]
+        metrics = [tf.zeros(v.shape, v.dtype) for v in self.metrics.variables]
         # With every weight on one parameter server, each update runs there
-        # (`update.ship_gradients`) and its tau stays there until the end.
-        planned = update.home_device(model.trainable_variables) if self.options.ship_gradients else None
+        # (`gradients.ship_gradients`) and its tau stays there until the end.
+        planned = gradients.home_device(model.trainable_variables) if self.options.ship_gradients else None
         carry = shipped = None
         if ring is not None and planned is not None:
             total = tf.add_n([tf.cast(step_report.batch_examples(b), tf.float64)
@@ -150,9 +149,7 @@ class WorkerStep:
                 # of its own after the last step ran at 2/3 the rate at
                 # steps_per_execution 10).
                 loss_sum, loss_count = self.metrics.loss_state(new_metrics)
-                logs = {name: value for name, value in driver.flatten_logs(step_logs).items()
-                        if _is_scalar(value)}
-                names = sorted(logs)
+                logs, names = local_steps_lib.scalar_logs(step_logs)
                 with tf.control_dependencies(computed):
                     seconds = tf.timestamp() - start
                 report = step_report.pack(
@@ -187,9 +184,7 @@ class WorkerStep:
             writes += step_writes
             examples += step_report.batch_examples(data)
         loss_sum, loss_count = self.metrics.loss_state(metrics)
-        logs = {name: value for name, value in driver.flatten_logs(step_logs).items()
-                if _is_scalar(value)}
-        names = sorted(logs)
+        logs, names = local_steps_lib.scalar_logs(step_logs)
         self.log_names[k] = names
         if planned is not None and set(homes) == {planned}:
             if shipped is not None:
@@ -233,7 +228,7 @@ class WorkerStep:
         writes, the step's logs, the metrics' new state, skipped, home,
         ready)`; skipped is a float64 0/1 tensor when the policy gated the
         update, else `None`; home is the device the update ran on when the
-        gradients were shipped there (`update.ship_gradients`), else `None`;
+        gradients were shipped there (`gradients.ship_gradients`), else `None`;
         ready are the gradients as the worker computed them. With `carry`, a
         function of `(step logs, metrics' state, ready)` giving a float64
         vector (or `None`), that vector travels with shipped gradients and is
@@ -251,7 +246,7 @@ class WorkerStep:
             with tf.control_dependencies([read]):
                 pulled = [tf.identity(w.value.read_value()) for w in model.trainable_weights]
             after_read = pulled
-        metric_vars = self.metric_variables
+        metric_vars = self.metrics.variables
         captured = []
 
         def capture(original, grads, variables):
@@ -272,17 +267,15 @@ class WorkerStep:
         grads = list(grads)
         ready = [t for t in tf.nest.flatten(grads, expand_composites=True) if t is not None]
         if slowed:  # this step takes `factor` times as long
+            ready = local_steps_lib.after_slowdown(faults, worker, step_start, ready)
             with tf.control_dependencies(ready):
-                now = tf.timestamp()
-            ready = faults.slow_down(worker, now - step_start, now) or ready
-            with tf.control_dependencies(ready):
-                grads = update.identity_all(grads)
+                grads = gradients.identity_all(grads)
         # When every weight lives on one parameter server, the gradients go
         # there in one transfer and the whole update (claim, non-finite
         # check, optimizer math) runs there on local tensors: one transfer
         # per gradient and the learning rate's fewer.
         computed = ready
-        home = update.home_device(variables) if self.options.ship_gradients else None
+        home = gradients.home_device(variables) if self.options.ship_gradients else None
         metric_ids = {id(v) for v in metric_vars}
         state = [(v, scope.get_current_value(v)) for v in model.variables
                  if id(v) not in metric_ids and scope.get_current_value(v) is not None]
@@ -290,7 +283,7 @@ class WorkerStep:
         shipped = None
         if home is not None:
             extra = carry(step_logs, metrics, computed) if carry and not state else None
-            grads, shipped = update.ship_gradients(grads, home, extra=extra)
+            grads, shipped = gradients.ship_gradients(grads, home, extra=extra)
             ready = [t for t in tf.nest.flatten(grads, expand_composites=True)
                      if t is not None]
         with tf.device(home) if home is not None else contextlib.nullcontext():
@@ -300,25 +293,13 @@ class WorkerStep:
                 one = tf.ones([], tf.int64)
             tau = self.version.claim(read, one)
             info = update.UpdateInfo(staleness=tau, pulled=pulled, worker=worker)
-
-            def apply_fn(grads, variables):
-                if isinstance(optimizer, StalenessAwareOptimizer):
-                    original(grads, variables, update=info)
-                    return
-                with update.providing(info):  # through a LossScaleOptimizer
-                    original(grads, variables)
-
-            skipped = self.policy.apply(apply_fn, grads, variables, optimizer=optimizer,
-                                        gate=True)
+            skipped = self.policy.apply(functools.partial(update.apply_with, info, original),
+                                        grads, variables, optimizer=optimizer, gate=True)
 
         writes = [v.value.assign(new) for v, new in state]  # last write wins
         if carry is not None:
             return tau, writes, step_logs, metrics, skipped, home, computed, shipped
         return tau, writes, step_logs, metrics, skipped, home, computed
-
-
-def _is_scalar(value):
-    return tf.is_tensor(value) and value.shape.rank == 0 or isinstance(value, (int, float))
 
 
 def _needs_pulled(optimizer):

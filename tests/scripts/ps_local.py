@@ -17,8 +17,8 @@ The chief writes out_dir/result.json with three checks:
   (workers + 1) * w0 - lr * (sum of the batch gradients of every round).
 - "train_elastic": the digits MLP with EASGD.
 - "errors": the messages of what local steps refuse on a parameter-server
-  chief (steps_per_execution > 1, a custom train_step, a wrapper as the
-  model's optimizer).
+  chief (steps_per_execution > 1, a custom train_step, a LossScaleOptimizer
+  as the model's optimizer).
 
 argv: out_dir.
 """
@@ -123,10 +123,10 @@ def errors():
         inputs = keras.Input((64,))
         custom = Custom(inputs, keras.layers.Dense(10, activation="softmax")(inputs))
         custom.compile("sgd", "sparse_categorical_crossentropy")
-        wrapped = kd.AsyncModel.from_model(
-            digits_model(kd.optimizers.DynSGD(keras.optimizers.SGD())))
+        scaled = kd.AsyncModel.from_model(digits_model(keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.SGD())))
     for name, model in {"steps_per_execution": spe, "train_step": custom,
-                        "wrapper": wrapped}.items():
+                        "loss_scale": scaled}.items():
         try:
             model.fit(X[:64], Y[:64], batch_size=32, epochs=1, verbose=0, local_steps=K)
             messages[name] = None
