@@ -112,17 +112,17 @@ def define_flags(flag_values=FLAGS, *, strategy=True, nonfinite_updates=True, st
 
     Example:
 
-    >>> from absl import flags
-    >>> from keras_dist import flags as kd_flags
-    >>> fv = flags.FlagValues()
-    >>> kd_flags.define_flags(fv, staleness=False, local_steps=False, straggler=False,
+    >>> from absl.flags import FlagValues, IllegalFlagValueError
+    >>> import keras_dist as kd
+    >>> fv = FlagValues()   # absl's global FLAGS by default
+    >>> kd.flags.define_flags(fv, staleness=False, local_steps=False, straggler=False,
     ...                       metrics=False, sharding=False, backup=False)
     ['strategy', 'nonfinite_updates']
     >>> fv["strategy"].default
     'auto'
     >>> try:
     ...     fv(["train.py", "--strategy=mirored"])
-    ... except flags.IllegalFlagValueError as error:
+    ... except IllegalFlagValueError as error:
     ...     print(error)
     flag --strategy=mirored: value should be one of
     <auto|default|one_device|mirrored|multi_worker|parameter_server>
@@ -157,17 +157,17 @@ def strategy_from_flags(flag_values=FLAGS, *, cluster=None):
         cluster: `ClusterConfig`, dict or `None` (read the environment).
 
     Returns:
-        A `tf.distribute.Strategy`.
+        The `tf.distribute.Strategy` the flags name, as `resolve_strategy` builds it.
 
     Example:
 
+    >>> import keras_dist as kd
     >>> from absl import flags
-    >>> from keras_dist import flags as kd_flags
     >>> fv = flags.FlagValues()
-    >>> _ = kd_flags.define_flags(fv, staleness=False, local_steps=False)
+    >>> _ = kd.flags.define_flags(fv, staleness=False, local_steps=False)
     >>> fv.mark_as_parsed()   # or parse argv: fv(["train.py", "--strategy=default"])
     >>> fv.strategy = "default"
-    >>> kd_flags.strategy_from_flags(fv).num_replicas_in_sync
+    >>> kd.flags.strategy_from_flags(fv).num_replicas_in_sync
     1
 
     Raises:
@@ -205,7 +205,7 @@ def wrap_optimizer(optimizer, flag_values=FLAGS):
     >>> from absl import flags
     >>> from keras_dist import flags as kd_flags
     >>> fv = flags.FlagValues()
-    >>> _ = kd_flags.define_flags(fv)
+    >>> _ = kd_flags.define_flags(fv, straggler=False, metrics=False, backup=False)
     >>> _ = fv(["train.py", "--staleness=dcasgd", "--dcasgd_mode=adaptive",
     ...         "--max_staleness=8"])
     >>> opt = kd_flags.wrap_optimizer(keras.optimizers.SGD(0.1), fv)
@@ -263,9 +263,9 @@ def fit_kwargs(flag_values=FLAGS, *, strategy=None, cluster=None, callbacks=None
 
     Example:
 
-    >>> from absl import flags
+    >>> from absl.flags import FlagValues
     >>> from keras_dist import flags as kd_flags
-    >>> fv = flags.FlagValues()
+    >>> fv = FlagValues()
     >>> _ = kd_flags.define_flags(fv, backup=False)
     >>> _ = fv(["train.py"])   # every flag at its default
     >>> kd_flags.fit_kwargs(fv)

@@ -185,28 +185,20 @@ class ClusterConfig:
         2
         """
         where = _where(source)
-        if not isinstance(config, Mapping):
-            raise ValueError(
-                f"{where} must be a JSON object. Received: {config!r}. "
-                f"Example: {_TF_CONFIG_EXAMPLE}"
-            )
+        _require(isinstance(config, Mapping),
+                 f"{where} must be a JSON object. Received: {config!r}. "
+                 f"Example: {_TF_CONFIG_EXAMPLE}")
         unknown = set(config) - {"cluster", "task", "rpc_layer", "environment"}
-        if unknown:
-            raise ValueError(
-                f"Unknown key(s) {sorted(unknown)} in {where}. Allowed keys: "
-                "'cluster', 'task', 'rpc_layer', 'environment'."
-            )
-        if "cluster" not in config:
-            raise ValueError(
-                f"{where} has no 'cluster' key. Received: {dict(config)!r}. "
-                f"Example: {_TF_CONFIG_EXAMPLE}"
-            )
+        _require(not unknown,
+                 f"Unknown key(s) {sorted(unknown)} in {where}. Allowed keys: "
+                 "'cluster', 'task', 'rpc_layer', 'environment'.")
+        _require("cluster" in config,
+                 f"{where} has no 'cluster' key. Received: {dict(config)!r}. "
+                 f"Example: {_TF_CONFIG_EXAMPLE}")
         task = config.get("task") or {}
-        if not isinstance(task, Mapping):
-            raise ValueError(
-                f"{where}['task'] must be an object like "
-                f'{{"type": "worker", "index": 0}}. Received: {task!r}.'
-            )
+        _require(isinstance(task, Mapping),
+                 f"{where}['task'] must be an object like "
+                 f'{{"type": "worker", "index": 0}}. Received: {task!r}.')
         task_type = task.get("type")
         task_index = task.get("index", 0 if task_type is not None else None)
         return cls(
@@ -324,13 +316,11 @@ class ClusterConfig:
             )
         num_tasks = int(env["SLURM_STEP_NUM_TASKS"])
         jobs = dict(jobs) if jobs else {"worker": num_tasks}
-        if sum(jobs.values()) != num_tasks:
-            raise ValueError(
-                f"jobs={jobs} asks for {sum(jobs.values())} tasks but the SLURM "
-                f"step has SLURM_STEP_NUM_TASKS={num_tasks}. Make them match."
-            )
+        _require(sum(jobs.values()) == num_tasks,
+                 f"jobs={jobs} asks for {sum(jobs.values())} tasks but the SLURM "
+                 f"step has SLURM_STEP_NUM_TASKS={num_tasks}. Make them match.")
         rank = int(env["SLURM_PROCID"])
-        if not 0 <= rank < num_tasks:
+        if rank not in range(num_tasks):
             raise ValueError(
                 f"SLURM_PROCID={rank} is out of range for a step of "
                 f"SLURM_STEP_NUM_TASKS={num_tasks} tasks (0..{num_tasks - 1})."
@@ -626,6 +616,12 @@ def _parse_slurm_jobs(text):
     if not jobs:
         raise bad("every count is 0, so no task has a role")
     return jobs
+
+
+def _require(ok, message):
+    """Raises `ValueError(message)` unless `ok`."""
+    if not ok:
+        raise ValueError(message)
 
 
 def _where(source):

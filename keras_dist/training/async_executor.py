@@ -115,12 +115,11 @@ class AsyncExecutor(driver.Executor):
 
     make_train_input = staticmethod(data_lib.per_worker_input)
 
-    @property
-    def eval_strategy(self):
-        return self._evaluator.strategy
+    # Validation runs on the chief, under the evaluator's (default) strategy.
+    eval_strategy = property(lambda self: self._evaluator.strategy)
 
     def test_epoch(self, eval_input):
-        return self._evaluator.test_epoch(eval_input)
+        yield from self._evaluator.test_epoch(eval_input)  # on the chief
 
     # -------------------------------------------------------------- training
     def begin_training(self, train_input, callbacks):
