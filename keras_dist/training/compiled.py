@@ -66,3 +66,12 @@ def cached(model, key, build):
     if key not in entries.values:
         entries.values[key] = build()
     return entries.values[key]
+
+
+def entries(model):
+    """The values cached under `model`'s current compilation, by key (a new
+    dict; empty when nothing was cached since the last `compile()`)."""
+    found = model.__dict__.get(_ATTRIBUTE)
+    if found is None or not _same(found.token, _token(model)):
+        return {}
+    return dict(found.values)

@@ -51,6 +51,13 @@ class WorkerStep:
         return compiled.cached(model, ("async", strategy, mode, options),
                                lambda: cls(model, strategy, mode, options))
 
+    @classmethod
+    def current(cls, model):
+        """The `WorkerStep` the model's last asynchronous `fit` used under
+        its current compilation, or `None` (for tools and tests)."""
+        steps = [v for k, v in compiled.entries(model).items() if k[0] == "async"]
+        return steps[-1] if steps else None
+
     def __init__(self, model, strategy, mode, options):
         self.model, self.strategy, self.options = model, strategy, options
         sharded.install(strategy)

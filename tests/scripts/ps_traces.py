@@ -19,6 +19,7 @@ strategy = kd.resolve_strategy()
 import keras  # noqa: E402
 
 from keras_dist.datasets import load_digits  # noqa: E402
+from keras_dist.training.worker_step import WorkerStep  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from procs import digits_model  # noqa: E402
@@ -64,7 +65,7 @@ def main(out_dir):
     for _ in range(2):
         other.fit(x, y, batch_size=32, epochs=3, steps_per_epoch=20, verbose=0,
                   local_steps=4)
-        functions = other.__dict__["_kd_async_state"]._functions.values()
+        functions = WorkerStep.current(other)._functions.values()
         traces.append(sum(f.experimental_get_tracing_count() for f in functions))
     counts["local_step_traces"] = traces
     # Executions of more than 32 steps: tf.data refuses more than 32 `next`

@@ -16,6 +16,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 from keras_dist.datasets import load_digits  # noqa: E402
+from keras_dist.training.worker_step import WorkerStep  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from procs import digits_model  # noqa: E402
@@ -56,7 +57,7 @@ def main(out_dir):
     same = np.allclose(reloaded.predict(x_test, verbose=0), model.predict(x_test, verbose=0),
                        atol=1e-6)
     stats = model.staleness_stats
-    ring = model.__dict__["_kd_async_state"].ring
+    ring = WorkerStep.current(model).ring
     with open(os.path.join(out_dir, "result.json"), "w") as f:
         json.dump({
             "history": history.history,
