@@ -57,6 +57,24 @@ def digits_model(optimizer, hidden=64, metrics=("accuracy",), cls=None, seed=Non
     return model
 
 
+def one_local_round(strategy, local, remote, x, y, k):
+    """One round of `k` local steps of `remote` (an `AsyncModel` in
+    `strategy`'s scope) from `local`'s weights, and Keras' own `fit` of
+    `local` on one device for the same `k` batches of 32 (the chief's own
+    reference model). Returns the largest weight difference after both."""
+    import numpy as np
+
+    import keras_dist as kd
+
+    remote.set_weights([w.numpy() for w in local.weights])
+    remote.fit(x[:32 * k], y[:32 * k], batch_size=32, epochs=1, steps_per_epoch=k,
+               shuffle=False, verbose=0, local_steps=k)
+    with kd.local_fit():
+        local.fit(x[:32 * k], y[:32 * k], batch_size=32, epochs=1, shuffle=False, verbose=0)
+    return max(float(np.abs(a.numpy() - b.numpy()).max())
+               for a, b in zip(local.weights, remote.weights))
+
+
 def run_script(tmp_path, script, *args, ps=1, timeout=300):
     """Runs tests/scripts/<script> under `keras-dist-run --workers 2 --ps <ps>`
     (out_dir `tmp_path`, then `args`); returns the chief's result.json and the

@@ -38,7 +38,7 @@ import keras  # noqa: E402
 from keras_dist.datasets import load_digits  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from procs import digits_model  # noqa: E402
+from procs import digits_model, one_local_round  # noqa: E402
 
 K = 4
 (X, Y), (X_TEST, Y_TEST) = load_digits()
@@ -47,17 +47,9 @@ K = 4
 def one_round(make_optimizer):
     keras.utils.set_random_seed(1)
     local = digits_model(make_optimizer())
-    init = [w.numpy() for w in local.weights]
     with strategy.scope():
         remote = kd.AsyncModel.from_model(digits_model(make_optimizer()))
-    remote.set_weights(init)
-    remote.fit(X[:32 * K], Y[:32 * K], batch_size=32, epochs=1, steps_per_epoch=K,
-               shuffle=False, verbose=0, local_steps=K)
-    with kd.local_fit():  # the chief's own reference model
-        local.fit(X[:32 * K], Y[:32 * K], batch_size=32, epochs=1, shuffle=False,
-                  verbose=0)
-    weights = max(float(np.abs(a.numpy() - b.numpy()).max())
-                  for a, b in zip(local.weights, remote.weights))
+    weights = one_local_round(strategy, local, remote, X, Y, K)
     slots = max([float(np.abs(np.asarray(a.numpy(), np.float64) - b.numpy()).max())
                  for a, b in zip(local.optimizer.variables, remote.optimizer.variables)])
     return {"weights": weights, "optimizer_state": slots,

@@ -29,34 +29,22 @@ import keras  # noqa: E402
 
 from keras_dist.datasets import load_digits  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from procs import digits_model, one_local_round  # noqa: E402
+
 K = 4
 (X, Y), (X_TEST, Y_TEST) = load_digits()
 
 
-def mlp(optimizer):
-    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"),
-                              keras.layers.Dense(10, activation="softmax")])
-    model.compile(optimizer, "sparse_categorical_crossentropy", metrics=["accuracy"])
-    return model
-
-
 def one_round(make_wrapper, make_inner):
     keras.utils.set_random_seed(1)
-    local = mlp(make_inner())
-    init = [w.numpy() for w in local.weights]
+    local = digits_model(make_inner())
     with strategy.scope():
-        remote = kd.AsyncModel.from_model(mlp(make_wrapper(make_inner())))
-    remote.set_weights(init)
-    remote.fit(X[:32 * K], Y[:32 * K], batch_size=32, epochs=1, steps_per_epoch=K,
-               shuffle=False, verbose=0, local_steps=K)
-    with kd.local_fit():  # the chief's own reference model
-        local.fit(X[:32 * K], Y[:32 * K], batch_size=32, epochs=1, shuffle=False,
-                  verbose=0)
+        remote = kd.AsyncModel.from_model(digits_model(make_wrapper(make_inner())))
+    weights = one_local_round(strategy, local, remote, X, Y, K)
     inner = remote.optimizer
     while isinstance(inner, kd.optimizers.StalenessAwareOptimizer):
         inner = inner.inner_optimizer
-    weights = max(float(np.abs(a.numpy() - b.numpy()).max())
-                  for a, b in zip(local.weights, remote.weights))
     slots = max(float(np.abs(np.asarray(a.numpy(), np.float64) - b.numpy()).max())
                 for a, b in zip(local.optimizer.variables, inner.variables))
     return {"weights": weights, "optimizer_state": slots,
@@ -66,7 +54,7 @@ def one_round(make_wrapper, make_inner):
 def train():
     keras.utils.set_random_seed(2)
     with strategy.scope():
-        model = kd.AsyncModel.from_model(mlp(kd.optimizers.GapAware(
+        model = kd.AsyncModel.from_model(digits_model(kd.optimizers.GapAware(
             keras.optimizers.SGD(0.05, momentum=0.9))))
     outer = kd.optimizers.StalenessLimit(kd.optimizers.DynSGD(keras.optimizers.SGD(1.0)),
                                          max_staleness=1000)
@@ -89,7 +77,7 @@ def nonfinite_raise():
     x[::60] = np.nan  # 24 poisoned examples: some rounds end with NaN weights
     keras.utils.set_random_seed(0)
     with strategy.scope():
-        model = kd.AsyncModel.from_model(mlp(keras.optimizers.SGD(0.05)))
+        model = kd.AsyncModel.from_model(digits_model(keras.optimizers.SGD(0.05)))
     model.nonfinite_updates = "raise"
     try:
         model.fit(x, Y, epochs=4, steps_per_epoch=40 * K, batch_size=32, verbose=0,
