@@ -222,12 +222,6 @@ class RunPlan:
             run_state=env.get(RUN_STATE_ENV) or None,
             async_options=async_options or AsyncOptions())
 
-    @classmethod
-    def for_strategy(cls, strategy, **kwargs):
-        """A plan for a model already placed under `strategy` (`AsyncModel.fit`):
-        `RunPlan.build` with that strategy object."""
-        return cls.build(strategy, **kwargs)
-
     # ------------------------------------------------------------- queries
     @property
     def parameter_server(self):
