@@ -144,7 +144,8 @@ class AsyncExecutor(driver.Executor):
             self.outer_optimizer = local_steps_lib.build_outer(
                 self.outer_optimizer, self.model, self.strategy)
             self.model.__dict__["outer_optimizer"] = self.outer_optimizer
-            self._per_call = self.local_steps
+            # steps_per_execution, a multiple of local_steps, chains rounds.
+            self._per_call = max(self._per_call, self.local_steps)
         if self.elastic is not None:
             workers = self.plan.workers
             if not workers:
@@ -183,14 +184,25 @@ class AsyncExecutor(driver.Executor):
         self._epoch_version = 0  # the parameter version when the epoch began
         self._steps = train_input.steps
         self._warned_stuck = False
+        self._counts = None  # (version, skipped) read at the last epoch's end
+
+    def reset_metrics(self):
+        # The epoch's sums start from zero on the chief (`begin_epoch`); the
+        # metric variables get the epoch's totals at its end (`epoch_logs`),
+        # with no round trip to the parameter servers at its start.
+        pass
 
     def begin_epoch(self):
-        super().begin_epoch()
+        # The version and skip count as the last epoch's end read them
+        # (nothing ran since), else read now.
+        counts, self._counts = self._counts, None
+        version, skipped = counts if counts is not None else self._read_counts()
+        self.policy.begin_epoch(skipped)
         self.metrics.reset()
         self.stats.reset()
         # The version the epoch starts from (`position`); a resumed epoch's
         # first `_start` updates are in the restored version already.
-        self._epoch_version = self.state.version.value - self._start
+        self._epoch_version = version - self._start
         if self._aware is not None:
             self._aware.reset_staleness_logs()
 
@@ -238,7 +250,8 @@ class AsyncExecutor(driver.Executor):
                     k = planner.size(epoch["finished"] + flight.live_steps)
                     yield driver.BatchBegin(epoch["begun"])
                     epoch["begun"] += k
-                    fn = self.state.step_function(k, self.faults, local=self._local,
+                    fn = self.state.step_function(k, self.faults,
+                                                  local=self.local_steps if self._local else 0,
                                                   outer=self.outer_optimizer,
                                                   elastic=self._copies, ring=ring)
                     flight.add(self._schedule(fn), k, fn)
@@ -414,6 +427,20 @@ class AsyncExecutor(driver.Executor):
         self._rows_due = 0
         self.model.__dict__["step_counts"] = flight.counts.as_dict()
 
+    def _read_counts(self, write=False):
+        """`(parameter version, updates skipped)` read on the parameter
+        servers (with `write`: after writing the metrics' sums, in the same
+        compiled call)."""
+        reads = [self.state.version.variable]
+        counter = self.policy.counter
+        if counter is not None:
+            reads.append(counter)
+        if write:
+            values = self.metrics.write(reads)
+        else:
+            values = [v.numpy() for v in reads]
+        return int(values[0]), int(values[1]) if counter is not None else 0
+
     def release(self):
         if self._flight is not None:
             self.model.__dict__["step_counts"] = self._flight.counts.as_dict()
@@ -502,8 +529,11 @@ class AsyncExecutor(driver.Executor):
 
     def epoch_logs(self, last_logs):
         self.model.__dict__["step_counts"] = self._flight.counts.as_dict()
-        self.metrics.write()  # the epoch's totals, where Keras reads them
-        logs = super().epoch_logs(last_logs)
+        # The epoch's totals, where Keras reads them; the counters in the
+        # same call (one round trip at the epoch's end, none at the next start).
+        self._counts = self._read_counts(write=True)
+        logs = driver.metrics_or_logs(self.model, last_logs, self.metrics.results())
+        logs.update(self.policy.epoch_logs(self._counts[1]))
         logs.update(self.stats.logs())
         if self._aware is not None:
             logs.update(self._aware.staleness_logs())

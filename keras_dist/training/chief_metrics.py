@@ -44,7 +44,7 @@ class ChiefMetrics:
         self._loss = None if tracker is None else [ids.index(id(v)) for v in tracker]
         self._sizes = [int(np.prod(v.shape)) for v in self.variables]
         self.size = sum(self._sizes)
-        self._results = None
+        self._results = self._write = None
         self.reset()
 
     def reset(self):
@@ -66,10 +66,11 @@ class ChiefMetrics:
             return nan, nan
         return tuple(tf.cast(state[i], tf.float64) for i in self._loss)
 
-    def logs(self, step_logs):
-        """`step_logs` with each name that is a metric's result read from the sums."""
+    def results(self):
+        """The metrics' results from the sums (flattened, Python floats): one
+        compiled call on the chief, no parameter server read."""
         if not self.variables:
-            return step_logs
+            return {}
         if self._results is None:
             model, variables = self.model, self.variables
 
@@ -79,13 +80,35 @@ class ChiefMetrics:
                     return model.get_metrics_result()
 
             self._results = results
-        results = driver.flatten_logs(self._results(*self.values))
+        return {name: driver.pythonify(value) for name, value in
+                driver.flatten_logs(self._results(*self.values)).items()}
+
+    def logs(self, step_logs):
+        """`step_logs` with each name that is a metric's result read from the sums."""
+        if not self.variables:
+            return step_logs
+        results = self.results()
         return {name: float(results[name]) if name in results else value
                 for name, value in step_logs.items()}
 
-    def write(self):
-        for variable, value in zip(self.variables, self.values):
-            variable.assign(value)
+    def write(self, reads=()):
+        """Writes the sums to the metric variables, where Keras (and users)
+        read them, and reads the variables `reads` (counters on the
+        parameter servers) in the same compiled call: the epoch's one round
+        trip. Returns the values read, as NumPy."""
+        key = tuple(id(v) for v in reads)
+        if self._write is None or self._write[0] != key:
+            variables = self.variables
+
+            @tf.function
+            def write(values):
+                for variable, value in zip(variables, values):
+                    variable.assign(value)
+                return [v.read_value() for v in reads]
+
+            self._write = (key, write)
+        values = [tf.constant(v) for v in self.values]
+        return [np.asarray(v) for v in self._write[1](values)]
 
 
 def metric_variables(model):

@@ -127,6 +127,10 @@ class Executor(abc.ABC):
         return data_lib.distribute(self.eval_strategy, x, y, sample_weight,
                                    batch_size=batch_size, shuffle=False, steps=steps, what=what)
 
+    def reset_metrics(self):
+        """Resets the metrics before an epoch (Keras' `reset_metrics`)."""
+        self.model.reset_metrics()
+
     def begin_epoch(self):
         self.policy.begin_epoch()
 
@@ -270,7 +274,7 @@ def fit(executor, x=None, y=None, *, batch_size=None, epochs=1,
     epoch = initial_epoch
     try:
         for epoch in range(initial_epoch, epochs):
-            model.reset_metrics()
+            executor.reset_metrics()
             executor.begin_epoch()
             if resume is not None and resume["step"]:
                 executor.restore_metrics(resume["metrics"])
@@ -485,7 +489,7 @@ def reads_batch_logs(callbacks):
     return False
 
 
-def metrics_or_logs(model, logs):
+def metrics_or_logs(model, logs, metric_logs=None):
     """Keras' rule: the model's metrics when the step returned exactly them.
 
     Reading the metrics in cross-replica context aggregates their state over
@@ -494,9 +498,11 @@ def metrics_or_logs(model, logs):
     metric's still reads the metric (what one device would have returned:
     a replica's own `result()` covers only its share), and the others keep
     the step's value. Values come back as Python floats, as in Keras'
-    epoch logs.
+    epoch logs. `metric_logs`: the metrics' results where the caller has
+    them (else read from the model's metrics).
     """
-    metric_logs = model.get_metrics_result()
+    if metric_logs is None:
+        metric_logs = model.get_metrics_result()
     if logs is None:  # no step ran in this process (see `fit`)
         logs = metric_logs
     logs = flatten_logs(logs) if isinstance(logs, dict) else {}

@@ -149,16 +149,90 @@ def home_device(variables):
     return devices.pop() if len(devices) == 1 else None
 
 
+class Packed:
+    """Tensors flattened into one vector where this is built, to be split
+    back (`unpack`) on another device: one transfer between the two instead
+    of one per tensor.
+
+    Numeric tensors travel bit for bit in one vector of the narrowest numeric
+    dtype among them, wider ones bitcast into it (an int64 counter rides in
+    a float32 vector as two float32s); bool tensors go in one vector of their
+    own; `None`, sparse (`IndexedSlices`) and not fully shaped ones pass as
+    they are. Build it under the sending device's scope and call `unpack`
+    under the receiving one's.
+
+    Example:
+
+    >>> import tensorflow as tf
+    >>> from keras_dist.training.gradients import Packed
+    >>> packed = Packed([tf.ones((2, 3)), tf.constant(7, tf.int64), None])
+    >>> with tf.device("/CPU:0"):
+    ...     weights, count, nothing = packed.unpack()
+    >>> tuple(weights.shape), int(count), nothing
+    ((2, 3), 7, None)
+    """
+
+    def __init__(self, tensors):
+        self._items = list(tensors)
+        groups = {}
+        for i, t in enumerate(self._items):
+            if not (tf.is_tensor(t) and not isinstance(t, tf.IndexedSlices)
+                    and t.shape.is_fully_defined()):
+                continue
+            if t.dtype == tf.bool:
+                groups.setdefault(tf.bool, []).append(i)
+            elif t.dtype.is_floating or t.dtype.is_integer:
+                groups.setdefault("numeric", []).append(i)
+        numeric = groups.pop("numeric", [])
+        self.carrier = min((self._items[i].dtype for i in numeric), key=lambda d: d.size,
+                           default=None)
+        if numeric:
+            groups[self.carrier] = numeric
+        self._groups = groups
+        self._flats = {}
+        for dtype, indices in groups.items():
+            pieces = []
+            for i in indices:
+                t = tf.reshape(self._items[i], [-1])
+                if t.dtype != dtype:
+                    t = tf.reshape(tf.bitcast(t, dtype), [-1])
+                pieces.append(t)
+            self._flats[dtype] = tf.concat(pieces, axis=0)
+
+    @property
+    def transfers(self):
+        """How many tensors cross between the devices (packed vectors and
+        the tensors that pass as they are)."""
+        packed = {i for indices in self._groups.values() for i in indices}
+        return len(self._flats) + sum(1 for i, t in enumerate(self._items)
+                                      if i not in packed and t is not None)
+
+    def unpack(self):
+        """The tensors, split back from the packed vectors in the current
+        device scope (the others as they were given)."""
+        out = list(self._items)
+        for dtype, indices in self._groups.items():
+            items = [self._items[i] for i in indices]
+            ratios = [t.dtype.size // dtype.size for t in items]
+            parts = tf.split(self._flats[dtype],
+                             [t.shape.num_elements() * r for t, r in zip(items, ratios)])
+            for i, t, ratio, part in zip(indices, items, ratios, parts):
+                if t.dtype != dtype:
+                    part = tf.bitcast(part if ratio == 1 else tf.reshape(part, [-1, ratio]),
+                                      t.dtype)
+                out[i] = tf.reshape(part, t.shape)
+        return out
+
+
 def ship_gradients(grads, device, extra=None):
-    """`grads` as tensors on `device`, sent in one transfer per dtype.
+    """`grads` as tensors on `device`, sent in one transfer (`Packed`).
 
     Each gradient consumed on a parameter server is otherwise a transfer of
-    its own. Here the dense gradients of each dtype are flattened into one
-    vector where they were computed, and split back on `device`, so the
-    update's math there reads local tensors. `None`, sparse
-    (`IndexedSlices`) and not fully shaped gradients are left as they are.
-    `extra`, a float64 vector (a step's report), rides along bit for bit
-    in the same transfer.
+    its own. Here the dense gradients are flattened into one vector where
+    they were computed, and split back on `device`, so the update's math
+    there reads local tensors. `None`, sparse (`IndexedSlices`) and not
+    fully shaped gradients are left as they are. `extra`, a float64 vector
+    (a step's report), rides along bit for bit in the same transfer.
 
     Returns:
         `(grads, extra)`, both on `device` (`extra` is `None` without one).
@@ -172,32 +246,12 @@ def ship_gradients(grads, device, extra=None):
     >>> [None if g is None else tuple(g.shape) for g in shipped], float(extra[0])
     ([(2, 3), None, (3,)], 0.1)
     """
-    groups = {}
-    for i, g in enumerate(grads):
-        if tf.is_tensor(g) and not isinstance(g, tf.IndexedSlices) \
-                and g.shape.is_fully_defined():
-            groups.setdefault(g.dtype, []).append(i)
-    out, arrived = list(grads), None
-    carrier = next((d for d in groups if d.is_floating and 8 % d.size == 0), None)
-    if extra is not None and carrier is None:
-        with tf.device(device):
-            arrived = tf.identity(extra)
-    for dtype, indices in groups.items():
-        pieces = [tf.reshape(grads[i], [-1]) for i in indices]
-        sizes = [grads[i].shape.num_elements() for i in indices]
-        if extra is not None and dtype == carrier:  # the float64 bits as `dtype`s
-            ratio = 8 // dtype.size
-            pieces.append(tf.reshape(tf.bitcast(tf.cast(extra, tf.float64), dtype), [-1]))
-            sizes.append(int(extra.shape[0]) * ratio)
-        flat = tf.concat(pieces, axis=0)
-        with tf.device(device):
-            parts = tf.split(flat, sizes)
-            for i, part in zip(indices, parts):
-                out[i] = tf.reshape(part, grads[i].shape)
-            if extra is not None and dtype == carrier:
-                bits = parts[-1] if ratio == 1 else tf.reshape(parts[-1], [-1, ratio])
-                arrived = tf.bitcast(bits, tf.float64)
-    return out, arrived
+    grads = list(grads)
+    items = grads + ([tf.cast(extra, tf.float64)] if extra is not None else [])
+    packed = Packed(items)
+    with tf.device(device):
+        out = packed.unpack()
+    return out[:len(grads)], (out[-1] if extra is not None else None)
 
 
 def identity_all(grads):

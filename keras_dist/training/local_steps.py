@@ -37,6 +37,7 @@ of the same optimizer (the push adds `w_k - w_0` to `w_0`: equal up to one
 float rounding).
 """
 
+import contextlib
 import functools
 
 import keras
@@ -107,8 +108,9 @@ def check_model(model, strategy, local):
     ValueError: local_steps=4, outer_optimizer and elastic need parameter servers ...
 
     Raises:
-        ValueError: for local steps under a synchronous strategy, together
-            with `steps_per_execution` > 1, with a custom `train_step`, or
+        ValueError: for local steps under a synchronous strategy, with a
+            `steps_per_execution` > 1 that is not a multiple of `local_steps`,
+            with a custom `train_step`, or
             with an optimizer that cannot step on tensors (a
             `LossScaleOptimizer`).
     """
@@ -122,12 +124,13 @@ def check_model(model, strategy, local):
             "runs both ways can pass local_steps only when "
             "isinstance(strategy, tf.distribute.ParameterServerStrategy)).")
     spe = steps_lib.steps_per_execution(model)
-    if spe > 1 and local_steps > 1:
+    if spe > 1 and spe % local_steps:
         raise ValueError(
             f"local_steps={local_steps} with steps_per_execution={spe}: an execution "
-            "of local steps is already `local_steps` steps on the worker. Compile with "
-            "steps_per_execution=1, or use steps_per_execution alone (every step then "
-            "updates the parameter servers).")
+            "runs whole rounds of local steps, so steps_per_execution must be 1 (one "
+            f"round per execution) or a multiple of local_steps (e.g. {4 * local_steps}: "
+            "4 rounds chained on the worker, with no round trip to the chief between "
+            "them).")
     if type(model).train_step is not keras.Model.train_step:
         raise ValueError(
             f"{type(model).__name__} overrides train_step; local steps run Keras' "
@@ -213,58 +216,261 @@ class ElasticCopies:
                 for c, x in zip(self.variables, values)]
 
 
-def local_round(state, batches, worker, faults, outer_optimizer, elastic=None):
-    """One pull, `len(batches)` local steps and one push, on a worker.
+def local_round(state, batches, worker, faults, outer_optimizer, elastic=None,
+                per_round=None):
+    """Rounds of local steps on a worker: `len(batches)` steps in rounds of
+    `per_round` (default: all of them, one round), each one pull, its steps
+    and one push, with no chief round trip between rounds.
 
-    `state` is the executor's `_AsyncState`; `elastic` its `ElasticCopies`
-    (EASGD) or `None`. Returns the packed `step_report` vector (one tau:
-    the push's).
+    `state` is the executor's `WorkerStep`; `elastic` its `ElasticCopies`
+    (EASGD) or `None`. When every variable a round reads and writes lives
+    on one parameter server (`gradients.home_device`), the pull and the push
+    are one transfer each (`gradients.Packed`) and the push's math runs
+    there. A round's steps are unrolled; the rounds before the last run in
+    a `tf.while_loop`, so the traced graph holds at most two rounds however
+    many an execution chains. Returns the packed `step_report` vector (one
+    tau per round).
     """
-    model, optimizer = state.model, state.model.optimizer
-    trainable = list(model.trainable_variables)
-    non_trainable = list(model.non_trainable_variables)
-    metric_vars = state.metrics.variables
-    opt_vars = list(optimizer.variables)
+    model = state.model
+    variables = _RoundVariables(model, state, elastic)
+    n = len(batches)
+    per_round = n if per_round is None else max(1, min(n, int(per_round)))
     start, batches = step_report.start_clock(batches)
-    # The pull: version, weights, other state, optimizer state; one round trip.
-    read = state.version.read()
-    w0 = [v.value.read_value() for v in trainable]
-    nt0 = [v.value.read_value() for v in non_trainable]
-    nt = list(nt0)
-    opt0 = [v.value.read_value() for v in opt_vars]
     worker_index = tf.cast(worker, tf.int32)
-    start_from = elastic.read(worker_index) if elastic is not None else w0
-    w, opt = list(start_from), list(opt0)
-    metrics = [tf.zeros(v.shape, v.dtype) for v in metric_vars]
-    tracker = next((m for m in model.metrics if m.name == "loss"), None)
+    metrics = [tf.zeros(v.shape, v.dtype) for v in state.metrics.variables]
     examples = tf.constant(0.0, tf.float64)
-    logs = {}
-    for data in batches:
-        w, nt, metrics, opt, logs = _local_step(model, optimizer, data, trainable, w,
-                                                non_trainable, nt, metric_vars, metrics,
-                                                opt, tracker, worker_index)
-        examples += step_report.batch_examples(data)
-    delta = [new - old for new, old in zip(w, start_from)]
-    ready = after_slowdown(faults, worker, start, delta)  # the round, slowed down
-    with tf.control_dependencies(ready):
-        one = tf.ones([], tf.int64)
-    tau = state.version.claim(read, one)
-    if elastic is not None:
-        writes, skipped = _push_elastic(state, elastic, trainable, w, w0, start_from,
-                                        worker_index, opt_vars, opt, opt0, non_trainable,
-                                        nt, nt0)
-    else:
-        writes, skipped = _push(state, outer_optimizer, trainable, delta, opt_vars, opt, opt0,
-                                non_trainable, nt, nt0, tau, worker, w0)
-    with tf.control_dependencies([tau]):
+    taus, skips, logs, round_start = [], [], {}, start
+    for first in range(0, n, per_round):
+        pulled = variables.pull(worker_index)
+        steps = _LocalSteps(model, variables, worker_index)
+        w, nt, metrics, opt, logs, examples = steps.run(
+            batches[first:first + per_round], pulled.start, pulled.nt, metrics, pulled.opt,
+            examples)
+        tau, skipped = variables.push(pulled, w, nt, opt, outer_optimizer, worker,
+                                      worker_index, faults, round_start)
+        taus.append(tau)
+        skips.append(skipped)
+        with tf.control_dependencies([tau]):
+            round_start = tf.timestamp()  # the next round's clock (slowed rounds)
+    with tf.control_dependencies([taus[-1]]):
         claimed = tf.timestamp() - start
-    with tf.control_dependencies(writes + [claimed]):  # claimed <= seconds
-        seconds = tf.timestamp() - start
+    seconds = claimed  # the last push's writes are done when its tau is back
     loss_sum, loss_count = state.metrics.loss_state(metrics)
     logs, names = scalar_logs(logs)
-    state.log_names[len(batches)] = names
-    return step_report.pack(worker, seconds, examples, loss_sum, loss_count, [tau],
-                            logs, names, state=metrics, skipped=skipped, claimed=claimed)
+    state.log_names[n] = names
+    return step_report.pack(worker, seconds, examples, loss_sum, loss_count, taus,
+                            logs, names, state=metrics, skipped=tf.add_n(skips),
+                            claimed=claimed)
+
+
+class _LocalSteps:
+    """A round's steps on the worker's copy: the first one traced as it is,
+    the others in a `tf.while_loop` (nothing in it crosses to another
+    device), so the graph holds two steps however long the round."""
+
+    def __init__(self, model, variables, worker_index):
+        self.model, self.variables, self.worker = model, variables, worker_index
+
+    def step(self, data, w, nt, metrics, opt):
+        v = self.variables
+        return _local_step(self.model, self.model.optimizer, data, v.trainable, w,
+                           v.non_trainable, nt, v.state.metrics.variables, metrics, opt,
+                           v.tracker, self.worker)
+
+    def run(self, batches, w, nt, metrics, opt, examples):
+        nt0, opt0 = list(nt), list(opt)
+        w, nt, metrics, opt, logs = self.step(batches[0], list(w), nt0, metrics, opt0)
+        examples += step_report.batch_examples(batches[0])
+        if len(batches) == 1:
+            return w, nt, metrics, opt, logs, examples
+        # State a step leaves as it was (a learning rate) stays that very
+        # tensor: the push writes back only what changed.
+        nt_moves = [new is not old for new, old in zip(nt, nt0)]
+        opt_moves = [new is not old for new, old in zip(opt, opt0)]
+        readable = _Batches(batches[1:])
+        state = (w, _moving(nt, nt_moves), metrics, _moving(opt, opt_moves), logs, examples)
+
+        def body(i, *flat):
+            w, nt, metrics, opt, logs, examples = tf.nest.pack_sequence_as(state, list(flat))
+            data = readable.read(i)
+            w, nt, metrics, opt, logs = self.step(data, w, _whole(nt, nt0, nt_moves), metrics,
+                                                  _whole(opt, opt0, opt_moves))
+            new = (w, _moving(nt, nt_moves), metrics, _moving(opt, opt_moves), logs,
+                   examples + step_report.batch_examples(data))
+            return (i + 1,) + tuple(tf.nest.flatten(new))
+
+        _, *flat = tf.while_loop(lambda i, *_: i < len(batches) - 1, body,
+                                 (tf.constant(0),) + tuple(tf.nest.flatten(state)))
+        w, nt, metrics, opt, logs, examples = tf.nest.pack_sequence_as(state, flat)
+        return (w, _whole(nt, nt0, nt_moves), metrics, _whole(opt, opt0, opt_moves), logs,
+                examples)
+
+
+def _moving(values, moves):
+    return [v for v, moved in zip(values, moves) if moved]
+
+
+def _whole(moving, originals, moves):
+    moving = iter(moving)
+    return [next(moving) if moved else original for original, moved in zip(originals, moves)]
+
+
+class _Batches:
+    """An execution's batches, readable by a loop index: one `TensorArray`
+    per component (a last smaller batch included)."""
+
+    def __init__(self, batches):
+        self.structure = batches[0]
+        flat = [tf.nest.flatten(b) for b in batches]
+        self.shapes, self.arrays = [], []
+        for j, first in enumerate(flat[0]):
+            if first is None:
+                self.shapes.append(None), self.arrays.append(None)
+                continue
+            shape = first.shape
+            for other in flat[1:]:
+                shape = shape.most_specific_compatible_shape(other[j].shape)
+            array = tf.TensorArray(first.dtype, size=len(batches), infer_shape=False)
+            for i, f in enumerate(flat):
+                array = array.write(i, f[j])
+            self.shapes.append(shape), self.arrays.append(array)
+
+    def read(self, index):
+        values = []
+        for array, shape in zip(self.arrays, self.shapes):
+            if array is None:
+                values.append(None)
+                continue
+            value = array.read(index)
+            value.set_shape(shape)
+            values.append(value)
+        return tf.nest.pack_sequence_as(self.structure, values)
+
+
+class _Pulled:
+    """What a round's pull read: on the worker (`start`, the weights the
+    steps start from; `w0`, the model's weights; `nt`, `opt`) and where the
+    values live (`remote`: the same reads on the parameter server, for the
+    push's math there; the worker's copies when nothing was packed)."""
+
+    def __init__(self, read, w0, nt, opt, x_start, remote):
+        self.read, self.w0, self.nt, self.opt, self.x_start = read, w0, nt, opt, x_start
+        self.start = x_start if x_start is not None else w0
+        self.remote = remote
+
+
+class _RoundVariables:
+    """The variables a round of local steps pulls and pushes, and where."""
+
+    def __init__(self, model, state, elastic):
+        self.state, self.elastic = state, elastic
+        self.trainable = list(model.trainable_variables)
+        self.non_trainable = list(model.non_trainable_variables)
+        self.opt_vars = list(model.optimizer.variables)
+        self.tracker = next((m for m in model.metrics if m.name == "loss"), None)
+        held = self.trainable + self.non_trainable + self.opt_vars
+        if elastic is not None:
+            held = held + list(elastic.variables)
+        # One parameter server holds them all: pull and push in one transfer
+        # each, the push's math there. Else (several servers, sharded
+        # weights) every variable is read and written on its own.
+        self.home = gradients.home_device(held) if state.options.ship_gradients else None
+
+    def _device(self):
+        return tf.device(self.home) if self.home is not None else contextlib.nullcontext()
+
+    def pull(self, worker_index, after=None):
+        """The version, weights, other state, optimizer state (and EASGD's
+        copy): one round trip (after `after`, a tensor, when given)."""
+        with tf.control_dependencies([after] if after is not None else []):
+            return self._pull(worker_index)
+
+    def _pull(self, worker_index):
+        read = self.state.version.read()
+        with self._device():
+            values = [v.value.read_value() for v in self.trainable + self.non_trainable
+                      + self.opt_vars]
+            if self.elastic is not None:
+                values += self.elastic.read(worker_index)
+            packed = gradients.Packed(values) if self.home is not None else None
+        local = packed.unpack() if packed is not None else values
+        n, m, o = len(self.trainable), len(self.non_trainable), len(self.opt_vars)
+        x_start = local[n + m + o:] if self.elastic is not None else None
+        return _Pulled(read, local[:n], local[n:n + m], local[n + m:n + m + o], x_start,
+                       remote=values)
+
+    def push(self, pulled, w, nt, opt, outer, worker, worker_index, faults, round_start):
+        """Adds the round's change to the parameter servers (or applies it
+        with the outer optimizer; EASGD: exchanges it with the centre), under
+        the non-finite policy. Returns `(tau, skipped)` on the worker: a
+        skipped round (float64 0/1) is reported, not written."""
+        n, m = len(self.trainable), len(self.non_trainable)
+        moved = w if self.elastic is not None else [a - b for a, b in zip(w, pulled.start)]
+        finite = gradients.all_finite(moved)
+        skipped = tf.cast(tf.logical_not(finite), tf.float64)
+        ready = after_slowdown(faults, worker, round_start, moved)  # the round, slowed down
+        checks = ([nonfinite.check(finite, "round")] if self.state.policy.mode == "raise"
+                  else [])
+        # Only the state the steps changed goes back (a learning rate does not).
+        state_vars, state_new, state_old, counters = [], [], [], []
+        for variables, new, old, remote, optimizer_state in (
+                (self.non_trainable, nt, pulled.nt, pulled.remote[n:n + m], False),
+                (self.opt_vars, opt, pulled.opt, pulled.remote[n + m:], True)):
+            for v, a, b, r in zip(variables, new, old, remote):
+                if a is not b:
+                    state_vars.append(v), state_new.append(a), state_old.append(r)
+                    counters.append(optimizer_state and not a.dtype.is_floating)
+        with tf.control_dependencies(ready + checks):
+            flags = tf.stack([tf.cast(finite, tf.float32), tf.cast(worker_index, tf.float32)])
+            sent = [tf.identity(t) for t in moved + state_new] + [flags]
+        if self.home is not None:
+            packed = gradients.Packed(sent)
+        with self._device():
+            arrived = packed.unpack() if self.home is not None else sent
+            moved, state_new = arrived[:n], arrived[n:-1]
+            finite = arrived[-1][0] > 0.5
+            where = tf.cast(arrived[-1][1], tf.int32)
+            w0 = pulled.remote[:n]
+            with tf.control_dependencies([arrived[-1]]):
+                one = tf.ones([], tf.int64)
+            tau = self.state.version.claim(pulled.read, one)
+            if self.elastic is not None:
+                writes = self._exchange(moved, w0, pulled.remote[-n:], where, finite)
+            elif outer is None:
+                writes = [v.value.assign_add(tf.where(finite, d, tf.zeros_like(d)))
+                          for v, d in zip(self.trainable, moved)]
+            else:
+                writes = []  # done before the function returns, like every write
+                if self._outer(outer, moved, w0, tau, worker, finite):
+                    skipped = tf.constant(0.0, tf.float64)  # the policy counted it
+            writes += _state_writes(state_vars, state_new, state_old, counters, finite)
+            with tf.control_dependencies(writes):
+                tau = tf.identity(tau)  # back once every write is done
+        return tau, skipped
+
+    def _outer(self, outer, delta, pulled, tau, worker, finite):
+        """Applies the pseudo-gradient `-delta` with the outer optimizer;
+        returns whether the policy counts a skipped round itself (else the
+        worker's report does)."""
+        info = update.UpdateInfo(staleness=tau, pulled=pulled, worker=worker)
+        policy = self.state.policy
+        gated = policy.apply(functools.partial(update.apply_with, info, outer.apply),
+                             [-d for d in delta], self.trainable, finite=finite,
+                             optimizer=outer, gate=True)
+        return gated is None
+
+    def _exchange(self, x, centre, x_start, worker, finite):
+        """EASGD's exchange: `e = alpha (x_i - centre)`; the centre gains `e`,
+        the worker's copy keeps `x_i - e`. A round that ended non-finite
+        changes nothing: the copy stays `x_start`, as read at the pull (only
+        this worker writes its row)."""
+        elastic = self.elastic
+        moves = [tf.where(finite, elastic.alpha * (xi - c), tf.zeros_like(c))
+                 for xi, c in zip(x, centre)]
+        writes = [v.value.assign_add(e) for v, e in zip(self.trainable, moves)]
+        writes += elastic.write(worker, [tf.where(finite, xi - e, old)
+                                         for xi, e, old in zip(x, moves, x_start)])
+        return writes
 
 
 def _local_step(model, optimizer, data, trainable, w, non_trainable, nt, metric_vars,
@@ -324,73 +530,18 @@ def step_on_copy(optimizer, optimizer_state, grads, weights, worker):
                              grads, weights)
 
 
-def _push(state, outer, trainable, delta, opt_vars, opt, opt0, non_trainable, nt, nt0,
-          tau, worker, pulled):
-    """Adds the round's change to the parameter servers (or applies it with
-    the outer optimizer), under the non-finite policy. Returns `(writes,
-    skipped)`: a skipped round (0/1, float64) is reported, not written."""
-    policy = state.policy
-    finite, skipped, writes = _round_check(policy, delta)
-    with tf.control_dependencies(writes):
-        if outer is None:
-            for v, d in zip(trainable, delta):
-                writes.append(v.value.assign_add(tf.where(finite, d, tf.zeros_like(d))))
-        else:
-            info = update.UpdateInfo(staleness=tau, pulled=pulled, worker=worker)
-            pseudo = [-d for d in delta]
-            gated = policy.apply(functools.partial(update.apply_with, info, outer.apply),
-                                 pseudo, trainable, finite=finite, optimizer=outer, gate=True)
-            if gated is None:  # counted by the policy itself
-                skipped = tf.constant(0.0, tf.float64)
-        writes += _state_writes(opt_vars, opt, opt0, non_trainable, nt, nt0, finite)
-    return writes, skipped
-
-
-def _push_elastic(state, elastic, trainable, x, centre, x_start, worker, opt_vars, opt,
-                  opt0, non_trainable, nt, nt0):
-    """EASGD's exchange: `e = alpha (x_i - centre)`; the centre gains `e`,
-    the worker's copy keeps `x_i - e`. A round that ended non-finite
-    changes nothing (or raises): the copy stays `x_start`, as read at the
-    pull (only this worker writes its row)."""
-    finite, skipped, writes = _round_check(state.policy, x)
-    with tf.control_dependencies(writes):
-        elastic_moves = [tf.where(finite, elastic.alpha * (xi - c), tf.zeros_like(c))
-                         for xi, c in zip(x, centre)]
-        for v, e in zip(trainable, elastic_moves):
-            writes.append(v.value.assign_add(e))
-        writes += elastic.write(worker, [tf.where(finite, xi - e, old)
-                                         for xi, e, old in zip(x, elastic_moves, x_start)])
-        writes += _state_writes(opt_vars, opt, opt0, non_trainable, nt, nt0, finite)
-    return writes, skipped
-
-
-def _round_check(policy, values):
-    """A round's non-finite check, on what it pushes: `(finite, skipped,
-    checks)`; `skipped` is the float64 0/1 a skipped round reports, and under
-    "raise" `checks` is the check that stops training
-    (`keras_dist.training.nonfinite.check`), for the push to wait on."""
-    finite = gradients.all_finite(values)
-    skipped = tf.cast(tf.logical_not(finite), tf.float64)
-    checks = [nonfinite.check(finite, "round")] if policy.mode == "raise" else []
-    return finite, skipped, checks
-
-
-def _state_writes(opt_vars, opt, opt0, non_trainable, nt, nt0, finite):
+def _state_writes(variables, new_values, old_values, counters, finite):
     """The optimizer's own state and other state after a round. Counters
-    (iterations) add their change; slots (momentum, moments) are the pushing
-    worker's: last write wins. Adding every worker's slot change summed their
-    momentum and made SGD with momentum 0.9 diverge on 2 workers (test
-    accuracy 0.56)."""
+    (the optimizer's integer state: iterations) add their change; slots
+    (momentum, moments) and other state (BatchNormalization statistics)
+    are the pushing worker's: last write wins. Adding every worker's slot
+    change summed their momentum and made SGD with momentum 0.9 diverge on
+    2 workers (test accuracy 0.56)."""
     writes = []
-    for v, new, old in zip(opt_vars, opt, opt0):
-        if new is old:
-            continue
-        if new.dtype.is_floating:
-            writes.append(v.value.assign(tf.where(finite, new, old)))
-        else:
+    for v, new, old, counter in zip(variables, new_values, old_values, counters):
+        if counter:
             writes.append(v.value.assign_add((new - old) * tf.cast(finite, new.dtype)))
-    for v, new, old in zip(non_trainable, nt, nt0):
-        if new is not old:  # BatchNormalization statistics: last write wins
+        else:
             writes.append(v.value.assign(tf.where(finite, new, old)))
     return writes
 

@@ -161,13 +161,16 @@ class NonFinitePolicy:
         """A new `fit` call: nothing skipped in it yet."""
         self._reporting = False
 
-    def begin_epoch(self):
-        self._skipped_before = self.skipped
+    def begin_epoch(self, skipped=None):
+        """A new epoch; `skipped`: the count now, when the caller read it."""
+        self._skipped_before = self.skipped if skipped is None else int(skipped)
 
-    def epoch_logs(self):
+    def epoch_logs(self, skipped=None):
         """`{"skipped_nonfinite": n}` for the epoch once this `fit` call has
-        skipped anything (so a clean run's History is Keras'), else `{}`."""
-        skipped = self.skipped - getattr(self, "_skipped_before", 0)
+        skipped anything (so a clean run's History is Keras'), else `{}`.
+        `skipped`: the count now, when the caller read it."""
+        skipped = (self.skipped if skipped is None else int(skipped)) - getattr(
+            self, "_skipped_before", 0)
         self._reporting = getattr(self, "_reporting", False) or skipped > 0
         return {"skipped_nonfinite": skipped} if self._reporting else {}
 

@@ -94,9 +94,10 @@ class WorkerStep:
                 self.ring = step_report.ReportRing(width, 4 * window)
         return self.ring
 
-    def step_function(self, k, faults, local=False, outer=None, elastic=None, ring=None):
-        """The `tf.function` running `k` steps on a worker (with `local`: one
-        round of local steps, `keras_dist.training.local_steps`); cached (like Keras'
+    def step_function(self, k, faults, local=0, outer=None, elastic=None, ring=None):
+        """The `tf.function` running `k` steps on a worker (with `local`, the
+        local steps of a round: rounds of local steps,
+        `keras_dist.training.local_steps`); cached (like Keras'
         `train_function`) so later epochs and `fit` calls do not retrace;
         a new compile() makes a new `WorkerStep` (`of`). Keyed by the
         objects the function captures (compared by identity)."""
@@ -112,7 +113,7 @@ class WorkerStep:
                 if local:
                     worker = tf.distribute.coordinator.experimental_get_current_worker_index()
                     return local_steps_lib.local_round(self, batches, worker, faults, outer,
-                                                       elastic)
+                                                       elastic, per_round=local)
                 return self._replica_steps(batches, k, faults, ring)
 
             # Converted by AutoGraph only here (tf.data refuses more than 32
