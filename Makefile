@@ -34,6 +34,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/fit_overhead.py
 	$(PY) benchmarks/iterator_release.py
 	$(VENV)/bin/keras-dist-run --workers 2 --ps 1 -- $(PY) benchmarks/ps_throughput.py
+	$(VENV)/bin/keras-dist-run --workers 2 --ps 1 -- $(PY) benchmarks/local_steps.py
 	$(PY) benchmarks/ps_startup.py
 	$(PY) benchmarks/stalled_worker.py
 	$(PY) benchmarks/preemption.py

@@ -20,13 +20,8 @@ default skip costs). Each run trains `--epochs` epochs of `--steps` updates;
 the first epoch (tracing, dataset creation) is dropped and the median of the
 others is the run's rate. Targets: (a)/(b) >= 1.0 and (a)/(c) >= 1.3.
 
-Then local steps (`AsyncModel.fit(local_steps=k)`, SGD 0.05, batch 32) for
-k in `--local_steps`: steady examples/s as a share of the one-process,
-no-RPC limit (plain Keras `model.fit` of the same model in this process,
-steps_per_execution 64, measured in the same run), and test accuracy after
-the same number of examples for every k (mean of `--repeats` seeds).
-Target: a share >= 0.25 with accuracy within 1 point of k = 1.
-Writes benchmarks/results/ps_throughput.json and ps_local_steps.png.
+Local steps are measured by `benchmarks/local_steps.py`.
+Writes benchmarks/results/ps_throughput.json.
 """
 
 import json
@@ -45,8 +40,6 @@ _EPOCHS = flags.DEFINE_integer("epochs", 3, "Epochs per run; the first is warm-u
 _REPEATS = flags.DEFINE_integer(
     "repeats", 5, "Runs per side and setting (the hand-written loop's rate varies by up "
     "to 1.7x between runs of one process on 2 cores: medians of 5).")
-_LOCAL = flags.DEFINE_list("local_steps", ["1", "4", "16", "64"], "Values of k to measure.")
-_LOCAL_EPOCHS = flags.DEFINE_integer("local_epochs", 12, "Epochs of 256 batches per k.")
 _OUTPUT = flags.DEFINE_string(
     "output", "benchmarks/results/ps_throughput.json", "Where to write the JSON.")
 
@@ -198,98 +191,12 @@ def main(argv):
     Console().print(table)
     if tf_keras is None:
         print("tf-keras not installed: install the bench extra for peer (c).")
-    local = local_steps_study(strategy, x, y, Timer)
-    table = Table(title="Local steps (2 workers, 1 ps): examples/s against the one-process "
-                        f"limit ({local['limit_examples_per_s']:.0f} examples/s), test "
-                        f"accuracy after {local['examples']} examples")
-    for column in ("local_steps", "examples/s", "share of limit", "test accuracy"):
-        table.add_column(column, justify="right")
-    for row in local["rows"]:
-        table.add_row(str(row["k"]), f"{row['examples_per_s']:.0f}", f"{row['share']:.3f}",
-                      f"{row['accuracy']:.4f}")
-    Console().print(table)
     os.makedirs(os.path.dirname(_OUTPUT.value), exist_ok=True)
-    plot_local(local, os.path.join(os.path.dirname(_OUTPUT.value), "ps_local_steps.png"))
     with open(_OUTPUT.value, "w") as f:
         json.dump({"raw_updates_per_s": {f"spe{k}": v for k, v in results.items()},
                    "summary": summary, "steps": _STEPS.value, "epochs": _EPOCHS.value,
-                   "sides": list(sides), "local_steps": local},
+                   "sides": list(sides)},
                   f, indent=2)
-
-
-def local_steps_study(strategy, x, y, Timer):
-    """Examples/s and test accuracy of local steps against the one-process limit."""
-    import keras
-    import numpy as np
-
-    from keras_dist.datasets import load_digits
-
-    _, (x_test, y_test) = load_digits()
-    steps, batch = 256, 32
-
-    def mlp():
-        return keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"),
-                                 keras.layers.Dense(10, activation="softmax")])
-
-    # The limit: this process alone, no RPC, Keras' own fit.
-    alone = mlp()
-    alone.compile(keras.optimizers.SGD(0.05), "sparse_categorical_crossentropy",
-                  metrics=["accuracy"], steps_per_execution=64)
-    xs = np.tile(x, (8, 1))[:steps * batch]
-    ys = np.tile(y, 8)[:steps * batch]
-    limit = []
-    for _ in range(_REPEATS.value):
-        timer = Timer(keras.callbacks.Callback)
-        with kd.local_fit():  # the chief alone, for the bound
-            alone.fit(xs, ys, batch_size=batch, epochs=_EPOCHS.value, verbose=0,
-                      callbacks=[timer.callback])
-        limit.append(steps * batch / statistics.median(timer.seconds[1:]))
-    limit_rate = statistics.median(limit)
-
-    rows = []
-    for k in (int(v) for v in _LOCAL.value):
-        rates, accuracies = [], []
-        for seed in range(_REPEATS.value):
-            keras.utils.set_random_seed(seed)
-            with strategy.scope():
-                model = kd.AsyncModel.from_model(mlp())
-                model.compile(keras.optimizers.SGD(0.05), "sparse_categorical_crossentropy",
-                              metrics=["accuracy"])
-            timer = Timer(keras.callbacks.Callback)
-            model.fit(x, y, batch_size=batch, epochs=_LOCAL_EPOCHS.value, steps_per_epoch=steps,
-                      verbose=0, local_steps=k, callbacks=[timer.callback])
-            rates.append(steps * batch / statistics.median(timer.seconds[1:]))
-            accuracies.append(model.evaluate(x_test, y_test, verbose=0,
-                                             return_dict=True)["accuracy"])
-        rate = statistics.median(rates)
-        rows.append({"k": k, "examples_per_s": rate, "share": rate / limit_rate,
-                     "accuracy": float(np.mean(accuracies)), "accuracies": accuracies,
-                     "raw_examples_per_s": rates})
-    return {"limit_examples_per_s": limit_rate, "raw_limit": limit, "rows": rows,
-            "examples": _LOCAL_EPOCHS.value * steps * batch}
-
-
-def plot_local(local, path):
-    try:
-        import matplotlib
-    except ImportError:
-        return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ks = [row["k"] for row in local["rows"]]
-    fig, left = plt.subplots(figsize=(6, 3.6))
-    left.plot(ks, [row["share"] for row in local["rows"]], "o-", color="tab:blue")
-    left.set_xscale("log", base=2)
-    left.set_xlabel("local steps k")
-    left.set_ylabel("examples/s ÷ one-process limit", color="tab:blue")
-    right = left.twinx()
-    right.plot(ks, [row["accuracy"] for row in local["rows"]], "s--", color="tab:red")
-    right.set_ylabel("test accuracy", color="tab:red")
-    fig.suptitle("Local steps on 2 workers + 1 ps (digits MLP)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -57,20 +57,44 @@ def digits_model(optimizer, hidden=64, metrics=("accuracy",), cls=None, seed=Non
     return model
 
 
-def one_local_round(strategy, local, remote, x, y, k):
-    """One round of `k` local steps of `remote` (an `AsyncModel` in
-    `strategy`'s scope) from `local`'s weights, and Keras' own `fit` of
-    `local` on one device for the same `k` batches of 32 (the chief's own
-    reference model). Returns the largest weight difference after both."""
+def epoch_traces(counts, functions=lambda: ()):
+    """A Keras callback recording, at each epoch's end, a copy of `counts`
+    (Python trace counters: a method's Python body runs only while a
+    `tf.function` is traced) and, as "functions", the tracing count of every
+    `tf.function` that `functions()` returns. `callback.records`: one dict
+    per epoch."""
+    import keras
+
+    class EpochTraces(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.records = []
+
+        def on_epoch_end(self, epoch, logs=None):
+            record = dict(counts)
+            record["functions"] = sum(f.experimental_get_tracing_count() for f in functions())
+            self.records.append(record)
+
+    return EpochTraces()
+
+
+def one_local_round(strategy, local, remote, x, y, k, rounds=1):
+    """One execution of `rounds` rounds of `k` local steps of `remote` (an
+    `AsyncModel` in `strategy`'s scope, compiled with steps_per_execution
+    `k * rounds` when `rounds` > 1: the rounds chained on one worker) from
+    `local`'s weights, and Keras' own `fit` of `local` on one device for the
+    same `k * rounds` batches of 32 (the chief's own reference model).
+    Returns the largest weight difference after both."""
     import numpy as np
 
     import keras_dist as kd
 
+    n = 32 * k * rounds
     remote.set_weights([w.numpy() for w in local.weights])
-    remote.fit(x[:32 * k], y[:32 * k], batch_size=32, epochs=1, steps_per_epoch=k,
+    remote.fit(x[:n], y[:n], batch_size=32, epochs=1, steps_per_epoch=k * rounds,
                shuffle=False, verbose=0, local_steps=k)
     with kd.local_fit():
-        local.fit(x[:32 * k], y[:32 * k], batch_size=32, epochs=1, shuffle=False, verbose=0)
+        local.fit(x[:n], y[:n], batch_size=32, epochs=1, shuffle=False, verbose=0)
     return max(float(np.abs(a.numpy() - b.numpy()).max())
                for a, b in zip(local.weights, remote.weights))
 

@@ -190,7 +190,10 @@ def test_custom_train_step_runs_on_parameter_servers(request, shared_cluster):
 def test_no_retracing_under_parameter_servers(request, shared_cluster):
     """Two fits of 3 epochs with validation, two evaluates and three
     predicts of other sizes trace each step once (predict: once more for a
-    smaller last batch); local steps trace their round once for both fits."""
+    smaller last batch); local steps trace their round once for both fits;
+    and for every shape of execution (steps_per_execution 1 and 3, local
+    steps, chained rounds, an outer optimizer, EASGD) nothing is traced
+    after the first epoch."""
     counts, _ = shared_cluster.result(request.node)
     assert counts["first_fit"]["train_step"] == 1
     assert counts["first_fit"]["test_step"] == 1
@@ -203,3 +206,12 @@ def test_no_retracing_under_parameter_servers(request, shared_cluster):
     # function without AutoGraph) run, every step counted.
     assert counts["updates_of_40_step_executions"] == {"steps_per_execution": 80,
                                                        "local_steps": 80}
+    # Epoch by epoch, for each shape of execution: what the first epoch
+    # traced (its step functions, validation, the chief's metric functions)
+    # is all that is ever traced.
+    for name, records in counts["per_epoch"].items():
+        first = records[0]
+        assert first["functions"] >= 2, (name, first)  # a step function, the metrics'
+        assert first.get("train_step", 0) + first.get("call", 0) >= 1, (name, first)
+        assert first["test_step"] >= 1, (name, first)
+        assert records[1] == first and records[2] == first, (name, records)

@@ -69,3 +69,31 @@ def test_cache_is_per_compilation_even_with_the_same_optimizer():
     assert compiled.cached(model, "other", object) is not first
     model.compile(optimizer, "mae")  # same optimizer object, new loss
     assert compiled.cached(model, "key", object) is not first
+
+
+@pytest.mark.parametrize("route", ["keras", "mirrored"])
+@pytest.mark.parametrize("steps_per_execution", [1, 3])
+def test_nothing_is_traced_after_the_first_epoch(route, steps_per_execution):
+    """Three epochs of 7 steps (at 3 steps per execution the last one is
+    shorter), validation after each: every trace happens in the first
+    epoch, on one device (Keras' own loop) and under Mirrored (keras_dist's
+    synchronous executor). Parameter servers: test_async's
+    test_no_retracing_under_parameter_servers."""
+    from procs import epoch_traces
+
+    strategy = kd.resolve_strategy("mirrored", devices=CPUS) if route == "mirrored" \
+        else kd.resolve_strategy("default")
+    x = np.random.default_rng(1).normal(size=(7 * 16, 4)).astype("float32")
+    y = np.arange(7 * 16) % 3
+    with strategy.scope():
+        model = Counting([keras.Input((4,)), keras.layers.Dense(3, activation="softmax")])
+        model.compile(optimizer=keras.optimizers.SGD(0.1),
+                      loss=keras.losses.SparseCategoricalCrossentropy(), metrics=["accuracy"],
+                      steps_per_execution=steps_per_execution)
+    TRACES.update(train=0, test=0)
+    callback = epoch_traces(TRACES)
+    kd.fit(model, x, y, epochs=3, batch_size=16, verbose=0, strategy=strategy,
+           validation_data=(x[:40], y[:40]), callbacks=[callback])
+    first, *later = callback.records
+    assert first["train"] >= 1 and first["test"] >= 1, first
+    assert later == [first, first], callback.records

@@ -114,11 +114,18 @@ def test_local_steps_on_a_real_cluster(request, shared_cluster):
         assert check["weights"] <= 1e-6, (name, check)
         assert check["optimizer_state"] <= 1e-6, (name, check)
         assert check["iterations"] == 4 and check["version"] == 1, (name, check)
-    # Two racing workers: the ps holds w0 plus every round's change (none lost).
-    total = result["sum"]
-    assert total["version"] == 24 and sum(total["rounds_per_worker"].values()) == 24
-    assert total["total_change"] > 0.1
-    assert total["max_difference"] <= 1e-5 * max(1.0, total["total_change"]), total
+    # Two rounds chained in one execution on one worker: Keras' own 8 steps.
+    for name, check in result["one_round_chained"].items():
+        assert check["weights"] <= 1e-6, (name, check)
+        assert check["optimizer_state"] <= 1e-6, (name, check)
+        assert check["iterations"] == 8 and check["version"] == 2, (name, check)
+    # Two racing workers: the ps holds w0 plus every round's change (none
+    # lost), with one round per execution and with two chained.
+    for name in ("sum", "sum_chained"):
+        total = result[name]
+        assert total["version"] == 24 and sum(total["rounds_per_worker"].values()) == 24
+        assert total["total_change"] > 0.1
+        assert total["max_difference"] <= 1e-5 * max(1.0, total["total_change"]), total
     # Training learns with local steps, with and without an outer optimizer;
     # the version counts pushes (epochs x steps / K) and both workers pushed.
     # EASGD: the exchange conserves centre + copies; both moved, and the two
@@ -133,6 +140,13 @@ def test_local_steps_on_a_real_cluster(request, shared_cluster):
         assert run["version"] == 6 * 40
         assert all(v > 0 for v in run["updates_per_worker"].values())
         assert sorted(run["updates_per_worker"]) == ["0", "1"]
+        # Each execution's seconds split into its pull, its steps and its
+        # push, as the worker timed them.
+        assert run["phases"], name
+        for pull, compute, push, seconds in run["phases"]:
+            assert min(pull, compute, push) > 0, (name, pull, compute, push)
+            assert abs(pull + compute + push - seconds) <= 1e-9 * seconds + 1e-12, (
+                name, pull, compute, push, seconds)
     errors = result["errors"]
     assert "steps_per_execution=2" in errors["steps_per_execution"]
     assert "overrides train_step" in errors["train_step"]

@@ -56,6 +56,33 @@ def test_ship_gradients_without_dense_gradients_still_delivers_the_report():
     assert arrived.numpy().tolist() == [5.0]
 
 
+def test_packed_carries_every_numeric_dtype_bit_for_bit_in_one_vector():
+    # What a round of local steps pulls and pushes: float32 weights, an
+    # int64 counter, a float16 slot, an int32, a bool; each comes back
+    # exactly (an int64 beyond float32's integers, NaN, -0.0 included).
+    rng = np.random.default_rng(1)
+    tensors = [tf.constant(rng.normal(size=(3, 4)), tf.float32),
+               tf.constant(2 ** 53 + 7, tf.int64),
+               tf.constant([np.nan, -0.0, 65504.0], tf.float16),
+               tf.constant([-3, 2 ** 31 - 1], tf.int32),
+               tf.constant([True, False]),
+               None,
+               tf.IndexedSlices(tf.ones((1, 2)), tf.constant([1]), tf.constant([3, 2]))]
+    packed = gradients.Packed(tensors)
+    assert packed.carrier == tf.float16  # the narrowest numeric dtype
+    assert packed.transfers == 3  # the numbers, the bools, the sparse one
+    with tf.device("/CPU:0"):
+        out = packed.unpack()
+    for before, after in zip(tensors[:5], out[:5]):
+        assert after.dtype == before.dtype and after.shape == before.shape
+        a, b = before.numpy(), after.numpy()
+        if a.dtype.kind == "f":
+            np.testing.assert_array_equal(b.view(f"u{a.itemsize}"), a.view(f"u{a.itemsize}"))
+        else:
+            np.testing.assert_array_equal(b, a)
+    assert out[5] is None and out[6] is tensors[6]
+
+
 def test_home_device_is_the_one_device_or_none():
     a, b = tf.Variable(1.0), tf.Variable(2.0)
     assert gradients.home_device([a, b]) == a.device

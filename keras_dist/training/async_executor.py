@@ -520,7 +520,9 @@ class AsyncExecutor(driver.Executor):
         if skipped:
             report = dataclasses.replace(report, skipped=report.skipped + skipped)
         self.stats.add(StepRecord(worker=report.worker, staleness=list(report.staleness),
-                                  seconds=report.seconds, claimed=report.claimed))
+                                  seconds=report.seconds, claimed=report.claimed,
+                                  pull=report.pull, compute=report.compute,
+                                  push=report.push))
         self.metrics.add(report.state)
         self.policy.add_skipped(report.skipped)
         step = replica_cbs.ReplicaStep.from_report(report, "worker", steps=k)

@@ -91,6 +91,10 @@ class ChiefMetrics:
         return {name: float(results[name]) if name in results else value
                 for name, value in step_logs.items()}
 
+    def compiled_functions(self):
+        """The `tf.function`s made so far (results, write)."""
+        return [f for f in (self._results, self._write and self._write[1]) if f is not None]
+
     def write(self, reads=()):
         """Writes the sums to the metric variables, where Keras (and users)
         read them, and reads the variables `reads` (counters on the

@@ -240,27 +240,35 @@ def local_round(state, batches, worker, faults, outer_optimizer, elastic=None,
     metrics = [tf.zeros(v.shape, v.dtype) for v in state.metrics.variables]
     examples = tf.constant(0.0, tf.float64)
     taus, skips, logs, round_start = [], [], {}, start
+    phases = [tf.constant(0.0, tf.float64)] * 3  # pull, compute, push
     for first in range(0, n, per_round):
         pulled = variables.pull(worker_index)
+        with tf.control_dependencies(pulled.start + pulled.opt):
+            pulled_at = tf.timestamp()
         steps = _LocalSteps(model, variables, worker_index)
         w, nt, metrics, opt, logs, examples = steps.run(
             batches[first:first + per_round], pulled.start, pulled.nt, metrics, pulled.opt,
             examples)
+        with tf.control_dependencies(w):
+            stepped_at = tf.timestamp()
         tau, skipped = variables.push(pulled, w, nt, opt, outer_optimizer, worker,
                                       worker_index, faults, round_start)
         taus.append(tau)
         skips.append(skipped)
         with tf.control_dependencies([tau]):
-            round_start = tf.timestamp()  # the next round's clock (slowed rounds)
-    with tf.control_dependencies([taus[-1]]):
-        claimed = tf.timestamp() - start
-    seconds = claimed  # the last push's writes are done when its tau is back
+            pushed_at = tf.timestamp()
+        phases = [phases[0] + pulled_at - round_start, phases[1] + stepped_at - pulled_at,
+                  phases[2] + pushed_at - stepped_at]
+        round_start = pushed_at  # the next round's clock (slowed rounds)
+    # The last push's writes are done when its tau is back: the execution's
+    # seconds end there, at its last claim.
+    seconds = claimed = round_start - start
     loss_sum, loss_count = state.metrics.loss_state(metrics)
     logs, names = scalar_logs(logs)
     state.log_names[n] = names
     return step_report.pack(worker, seconds, examples, loss_sum, loss_count, taus,
                             logs, names, state=metrics, skipped=tf.add_n(skips),
-                            claimed=claimed)
+                            claimed=claimed, phases=phases)
 
 
 class _LocalSteps:

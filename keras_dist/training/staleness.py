@@ -107,12 +107,18 @@ class StepRecord:
         claimed: Float. Seconds from the execution's start to its last
             update's version claim: the window in which other workers'
             updates make it stale (NaN when unknown).
+        pull, compute, push: Floats. For rounds of local steps, the seconds
+            spent pulling, stepping on the worker's copy and pushing, summed
+            over the execution's rounds (NaN otherwise).
     """
 
     worker: int
     staleness: List[int]
     seconds: float
     claimed: float = float("nan")
+    pull: float = float("nan")
+    compute: float = float("nan")
+    push: float = float("nan")
 
 
 class StalenessStats:

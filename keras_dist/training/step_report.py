@@ -5,7 +5,7 @@ Both executors measure, on the replica or worker that ran an execution of
 one float64 vector (one tensor: a single copy to the chief):
 
     [state..., logs..., worker, seconds, examples, loss_sum, loss_count, skipped,
-     waited, stalled, claimed, tau_1 ... tau_k]
+     waited, stalled, claimed, pull, compute, push, tau_1 ... tau_k]
 
 `logs` are the execution's metric results (asynchronous training only; the
 synchronous executor reduces its logs the Keras way). `loss_sum` and
@@ -17,7 +17,10 @@ all-reduce waiting for the others, and `stalled` the time its process
 could not run (`keras_dist.training.stall`); both NaN in asynchronous training.
 `claimed` is the time from the execution's start to its last update's
 claim of a version (asynchronous only): the window in which other updates
-make it stale.
+make it stale. `pull`, `compute` and `push` split a round of local steps
+(summed over an execution's rounds): from the round's start until the
+pulled weights are on the worker, the steps on its copy, and from there
+until the push's writes are done (NaN for executions of plain steps).
 """
 
 import dataclasses
@@ -32,7 +35,7 @@ from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks
 from keras_dist.training import staleness
 
 FIELDS = ("worker", "seconds", "examples", "loss_sum", "loss_count", "skipped", "waited",
-          "stalled", "claimed")
+          "stalled", "claimed", "pull", "compute", "push")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +61,9 @@ class StepReport:
             the previous execution (synchronous only; NaN otherwise).
         claimed: Float. Seconds from the execution's start to its last
             update's version claim (asynchronous only; NaN otherwise).
+        pull, compute, push: Floats. Seconds a round of local steps spent
+            pulling, stepping on the worker's copy and pushing, summed over
+            the execution's rounds (NaN for executions of plain steps).
     """
 
     worker: int
@@ -71,6 +77,9 @@ class StepReport:
     waited: float = math.nan
     stalled: float = math.nan
     claimed: float = math.nan
+    pull: float = math.nan
+    compute: float = math.nan
+    push: float = math.nan
 
 
 def start_clock(batches):
@@ -92,7 +101,8 @@ def start_clock(batches):
 
 
 def pack(worker, seconds, examples, loss_sum, loss_count, taus=(), logs=None, names=(),
-         state=(), skipped=0, waited=math.nan, stalled=math.nan, claimed=math.nan):
+         state=(), skipped=0, waited=math.nan, stalled=math.nan, claimed=math.nan,
+         phases=(math.nan, math.nan, math.nan)):
     """The float64 vector of one execution (in a traced function).
 
     Args:
@@ -105,12 +115,14 @@ def pack(worker, seconds, examples, loss_sum, loss_count, taus=(), logs=None, na
         waited: Scalar tensor (or NaN): seconds waited at the all-reduce.
         stalled: Scalar tensor (or NaN): seconds the process could not run.
         claimed: Scalar tensor (or NaN): seconds to the last version claim.
+        phases: `(pull, compute, push)` scalar tensors (or NaN): a local
+            round's phases.
     """
     head = [tf.cast(tf.reshape(t, [-1]), tf.float64) for t in state]
     head += [tf.reshape(tf.cast(logs[n], tf.float64), [1]) for n in names]
     fields = [tf.cast(v, tf.float64)
               for v in (worker, seconds, examples, loss_sum, loss_count, skipped, waited,
-                        stalled, claimed)]
+                        stalled, claimed, *phases)]
     tail = [tf.cast(t, tf.float64) for t in taus]
     return tf.concat(head + [tf.stack(fields + tail)], axis=0)
 
@@ -120,15 +132,16 @@ def unpack(vector, names: Sequence[str] = (), state_size: int = 0) -> StepReport
     values = vector.numpy() if hasattr(vector, "numpy") else np.asarray(vector)
     state, values = values[:state_size], values[state_size:]
     n = len(names)
-    worker, seconds, examples, loss_sum, loss_count, skipped, waited, stalled, claimed = \
-        values[n:n + len(FIELDS)]
+    worker, seconds, examples, loss_sum, loss_count, skipped, waited, stalled, claimed, \
+        pull, compute, push = values[n:n + len(FIELDS)]
     taus = tuple(int(t) for t in values[n + len(FIELDS):])
     return StepReport(
         worker=int(worker), seconds=float(seconds),
         examples=None if np.isnan(examples) else int(examples),
         loss=float(loss_sum / loss_count) if loss_count > 0 else math.nan,
         staleness=taus, skipped=int(skipped), waited=float(waited),
-        stalled=float(stalled), claimed=float(claimed),
+        stalled=float(stalled), claimed=float(claimed), pull=float(pull),
+        compute=float(compute), push=float(push),
         logs={name: float(v) for name, v in zip(names, values[:n])},
         state=state)
 

@@ -80,6 +80,15 @@ class WorkerStep:
             self.metrics = ChiefMetrics(self.model)
         sharded.prepare(self.model)
 
+    def compiled_functions(self):
+        """Every `tf.function` this `WorkerStep` holds: the step functions
+        and the chief's metric functions (`experimental_get_tracing_count`
+        on each tells what was traced; for tools and tests)."""
+        functions = list(self._functions.values())
+        if self.metrics is not None:
+            functions += self.metrics.compiled_functions()
+        return functions
+
     def ring_for(self, per_call, window):
         """The `step_report.ReportRing` for executions of up to `per_call`
         steps with `window` of them in flight (made anew when too small)."""

@@ -10,6 +10,8 @@ The chief writes out_dir/result.json with three checks:
   (loss = mean(x @ w)), two workers racing: every round's change is then
   known from the batches alone, so the parameter servers must end at
   w0 - lr * (sum of the batch gradients of every round each worker ran).
+- "one_round_chained", "sum_chained": the same two checks with two rounds
+  chained in each execution (steps_per_execution = 2 K).
 - "train": the digits MLP with local steps and with an outer optimizer
   (Nesterov, DiLoCo style): test accuracy, version (= pushes), staleness.
 - "elastic_sum": the same racing linear model with EASGD (`elastic`): the
@@ -44,19 +46,20 @@ K = 4
 (X, Y), (X_TEST, Y_TEST) = load_digits()
 
 
-def one_round(make_optimizer):
+def one_round(make_optimizer, rounds=1):
     keras.utils.set_random_seed(1)
     local = digits_model(make_optimizer())
     with strategy.scope():
-        remote = kd.AsyncModel.from_model(digits_model(make_optimizer()))
-    weights = one_local_round(strategy, local, remote, X, Y, K)
+        remote = kd.AsyncModel.from_model(digits_model(
+            make_optimizer(), steps_per_execution=K * rounds if rounds > 1 else 1))
+    weights = one_local_round(strategy, local, remote, X, Y, K, rounds=rounds)
     slots = max([float(np.abs(np.asarray(a.numpy(), np.float64) - b.numpy()).max())
                  for a, b in zip(local.optimizer.variables, remote.optimizer.variables)])
     return {"weights": weights, "optimizer_state": slots,
             "iterations": int(remote.optimizer.iterations.numpy()), "version": remote.version}
 
 
-def racing_sum(elastic=None):
+def racing_sum(elastic=None, chained=False):
     lr, rounds = 0.01, 24
     x = np.abs(np.random.default_rng(0).normal(size=(32 * K * rounds, 8))).astype("float32")
 
@@ -66,7 +69,9 @@ def racing_sum(elastic=None):
     with strategy.scope():
         inputs = keras.Input((8,))
         model = kd.AsyncModel(inputs, keras.layers.Dense(1, use_bias=False)(inputs))
-        model.compile(keras.optimizers.SGD(lr), mean_output)
+        # chained: two rounds per execution, with no chief between them.
+        model.compile(keras.optimizers.SGD(lr), mean_output,
+                      steps_per_execution=2 * K if chained else 1)
     w0 = model.weights[0].numpy().copy()
     model.fit(x, np.zeros((len(x), 1), "float32"), batch_size=32, epochs=1,
               steps_per_epoch=K * rounds, shuffle=False, verbose=0, local_steps=K,
@@ -99,6 +104,9 @@ def train(outer, elastic=None):
     return {"test_accuracy": model.evaluate(X_TEST, Y_TEST, verbose=0, return_dict=True)[
                 "accuracy"],
             "version": model.version, "history": history.history,
+            # The last epoch's executions: each worker's pull, steps, push, total.
+            "phases": [[r.pull, r.compute, r.push, r.seconds]
+                       for r in model.staleness_stats.records],
             "updates_per_worker": {str(k): v for k, v in
                                    model.staleness_stats.updates_per_worker().items()}}
 
@@ -133,6 +141,12 @@ def main(out_dir):
         "momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
         "adam": lambda: keras.optimizers.Adam(0.01)}.items()},
         "sum": racing_sum(),
+        # Rounds chained (steps_per_execution 2 * K): one worker's two rounds
+        # are Keras' 2 * K steps; racing workers lose no round's change.
+        "one_round_chained": {name: one_round(make, rounds=2) for name, make in {
+            "momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+            "adam": lambda: keras.optimizers.Adam(0.01)}.items()},
+        "sum_chained": racing_sum(chained=True),
         "train": train(None),
         # Outer momentum amplifies stale pushes: lr / (1 - momentum) near 1.
         "train_outer": train(keras.optimizers.SGD(0.7, momentum=0.3, nesterov=True)),

@@ -41,6 +41,18 @@ class Counting(kd.AsyncModel):
         return super().call(inputs, training=training)
 
 
+class CountingLocal(kd.AsyncModel):
+    """Counting without a train_step of its own (local steps refuse one)."""
+
+    def test_step(self, data):
+        TRACES["test_step"] += 1
+        return super().test_step(data)
+
+    def call(self, inputs, training=False):
+        TRACES["call"] += 1
+        return super().call(inputs, training=training)
+
+
 def main(out_dir):
     (x, y), (x_test, y_test) = load_digits()
     with strategy.scope():
@@ -80,6 +92,28 @@ def main(out_dir):
         model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=80, verbose=0, **kwargs)
         long[name] = int(model.optimizer.iterations.numpy())
     counts["updates_of_40_step_executions"] = long
+    # Epoch by epoch: after the first epoch (its last execution shorter, a
+    # validation at its end) nothing is traced again, for each shape of
+    # execution: one step (the report ring), several, rounds of local
+    # steps, rounds chained, an outer optimizer, EASGD.
+    import procs
+
+    per_epoch = {}
+    shapes = {"spe1": (1, {}), "spe3": (3, {}), "local4": (1, {"local_steps": 4}),
+              "local4_chained": (8, {"local_steps": 4}),
+              "outer": (1, {"local_steps": 4, "outer_optimizer": keras.optimizers.SGD(0.5)}),
+              "elastic": (1, {"local_steps": 4, "elastic": 0.3})}
+    for name, (spe, kwargs) in shapes.items():
+        TRACES.clear()
+        with strategy.scope():
+            model = digits_model("sgd", hidden=16, cls=CountingLocal if kwargs else Counting,
+                                 steps_per_execution=spe)
+        callback = procs.epoch_traces(
+            TRACES, lambda: WorkerStep.current(model).compiled_functions())
+        model.fit(x, y, batch_size=32, epochs=3, steps_per_epoch=10, verbose=0,
+                  validation_data=(x_test[:64], y_test[:64]), callbacks=[callback], **kwargs)
+        per_epoch[name] = callback.records
+    counts["per_epoch"] = per_epoch
     with open(os.path.join(out_dir, "result.json"), "w") as f:
         json.dump(counts, f)
 
