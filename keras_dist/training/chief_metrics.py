@@ -74,7 +74,7 @@ class ChiefMetrics:
         if self._results is None:
             model, variables = self.model, self.variables
 
-            @tf.function
+            @tf.function(autograph=False)  # nothing to convert: no trace cost for it
             def results(*values):
                 with keras.StatelessScope(list(zip(variables, values))):
                     return model.get_metrics_result()
@@ -104,7 +104,7 @@ class ChiefMetrics:
         if self._write is None or self._write[0] != key:
             variables = self.variables
 
-            @tf.function
+            @tf.function(autograph=False)
             def write(values):
                 for variable, value in zip(variables, values):
                     variable.assign(value)
