@@ -136,6 +136,10 @@ def ps_throughput(lines):
                  "`nonfinite_updates=\"raise\"`.\n")
 
 
+def _ms(value):
+    return "-" if value != value else f"{value:.2f}"  # NaN: not a round of local steps
+
+
 def local_steps(lines):
     data = section(lines, "local_steps", "## Local steps against one process (`local_steps.py`)")
     if data is None:
@@ -149,7 +153,8 @@ def local_steps(lines):
         f"measured in the same run ({data['limit_examples_per_s']:.0f} examples/s: Keras' "
         f"own `fit`, steps_per_execution 50, {long_steps}-step epochs), and on epochs of "
         f"{short_steps} steps; test accuracy after {data['total_steps'] * data['batch']} "
-        f"examples (mean of {data['repeats']} runs).\n",
+        f"examples (mean of {data['repeats']} seeds). Pull, steps and push are "
+        "measured for rounds of local steps only.\n",
         f"| k x spe | examples/s ({long_steps}-step epochs) | ÷ limit | test accuracy | "
         f"examples/s ({short_steps}-step) | {short_steps} ÷ {long_steps} |",
         "|---|---|---|---|---|---|",
@@ -168,7 +173,7 @@ def local_steps(lines):
         "chief CPU ms |",
         "|---|---|---|---|---|---|---|---|",
         *(f"| {r['k']}x{r['spe']} | {r['rounds_per_execution']} | {r['execution_ms']:.2f} | "
-          f"{r['pull_ms']:.2f} | {r['compute_ms']:.2f} | {r['push_ms']:.2f} | "
+          f"{_ms(r['pull_ms'])} | {_ms(r['compute_ms'])} | {_ms(r['push_ms'])} | "
           f"{r['busy_share']:.2f} | {r['chief_cpu_ms_per_execution']:.2f} |"
           for r in data["rows"]),
         "",

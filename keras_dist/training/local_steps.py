@@ -26,6 +26,9 @@ so the sum of the centre and every `x_i` changes only by local gradient
 steps. The centre is read at the pull, a round before the exchange (the
 paper reads it at the exchange; this saves a round trip).
 
+With `steps_per_execution` a multiple of k, one execution chains several
+rounds on its worker, with no round trip to the chief between them.
+
 This is Downpour SGD with n_fetch = n_push = k (Dean et al. 2012), local
 SGD (Stich 2019; Lin et al. 2020) in its asynchronous form and, with an
 outer optimizer, DiLoCo (Douillard et al. 2023) / async local SGD (Liu et
@@ -226,10 +229,11 @@ def local_round(state, batches, worker, faults, outer_optimizer, elastic=None,
     (EASGD) or `None`. When every variable a round reads and writes lives
     on one parameter server (`gradients.home_device`), the pull and the push
     are one transfer each (`gradients.Packed`) and the push's math runs
-    there. A round's steps are unrolled; the rounds before the last run in
-    a `tf.while_loop`, so the traced graph holds at most two rounds however
-    many an execution chains. Returns the packed `step_report` vector (one
-    tau per round).
+    there. A round's steps after its first run in a `tf.while_loop` on the
+    worker (`_LocalSteps`); the rounds are unrolled, each pull after the
+    previous push (TF orders a variable's reads after its writes). Returns
+    the packed `step_report` vector (one tau per round, and the rounds'
+    pull, step and push times).
     """
     model = state.model
     variables = _RoundVariables(model, state, elastic)
@@ -387,13 +391,9 @@ class _RoundVariables:
     def _device(self):
         return tf.device(self.home) if self.home is not None else contextlib.nullcontext()
 
-    def pull(self, worker_index, after=None):
+    def pull(self, worker_index):
         """The version, weights, other state, optimizer state (and EASGD's
-        copy): one round trip (after `after`, a tensor, when given)."""
-        with tf.control_dependencies([after] if after is not None else []):
-            return self._pull(worker_index)
-
-    def _pull(self, worker_index):
+        copy): one round trip."""
         read = self.state.version.read()
         with self._device():
             values = [v.value.read_value() for v in self.trainable + self.non_trainable
