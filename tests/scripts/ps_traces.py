@@ -27,30 +27,23 @@ from procs import digits_model  # noqa: E402
 TRACES = collections.Counter()
 
 
-class Counting(kd.AsyncModel):
+class CountingLocal(kd.AsyncModel):
+    """Counts traces of test_step and call, with Keras' own train_step
+    (local steps refuse a train_step of the model's own)."""
+
+    def test_step(self, data):
+        TRACES["test_step"] += 1
+        return super().test_step(data)
+
+    def call(self, inputs, training=False):
+        TRACES["call"] += 1
+        return super().call(inputs, training=training)
+
+
+class Counting(CountingLocal):
     def train_step(self, data):
         TRACES["train_step"] += 1
         return super().train_step(data)
-
-    def test_step(self, data):
-        TRACES["test_step"] += 1
-        return super().test_step(data)
-
-    def call(self, inputs, training=False):
-        TRACES["call"] += 1
-        return super().call(inputs, training=training)
-
-
-class CountingLocal(kd.AsyncModel):
-    """Counting without a train_step of its own (local steps refuse one)."""
-
-    def test_step(self, data):
-        TRACES["test_step"] += 1
-        return super().test_step(data)
-
-    def call(self, inputs, training=False):
-        TRACES["call"] += 1
-        return super().call(inputs, training=training)
 
 
 def main(out_dir):
