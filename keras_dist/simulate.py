@@ -442,11 +442,12 @@ def _replay(model, sched, epochs, samples, examples_per_update, updates_per_epoc
 
 
 def _set_workers(optimizer, workers):
-    """Gives per-worker optimizers (`DANA`) the simulated worker count."""
+    """Gives optimizers sized by the number of workers (`DANA`,
+    `DelayAdaptive`, `DelayedNesterov`) the simulated worker count."""
     from keras_dist.training.update import optimizer_chain
 
     for o in optimizer_chain(optimizer):
-        if hasattr(o, "workers") and getattr(o, "needs_worker", False):
+        if hasattr(o, "workers") and getattr(o, "sized_by_workers", False):
             if o.workers is None and not o.built:
                 o.workers = workers
             elif o.workers is None or o.workers < workers:

@@ -44,6 +44,9 @@ WRAPPERS = {
     "gap_aware": lambda inner: kd.optimizers.GapAware(inner),
     "gap_aware_paper": lambda inner: kd.optimizers.GapAware(
         inner, measure="momentum", momentum=0.9, scale_weight_decay=True),
+    "delay_adaptive": lambda inner: kd.optimizers.DelayAdaptive(inner, workers=2),
+    "ringmaster": lambda inner: kd.optimizers.Ringmaster(inner, threshold=2),
+    "ringmaster_adaptive": lambda inner: kd.optimizers.Ringmaster(inner, threshold="adaptive"),
 }
 # (wrapper, inner optimizer) pairs; DANA holds the momentum itself (SGD inside).
 CASES = [(w, i) for w in sorted(WRAPPERS) for i in ("momentum", "adam")]

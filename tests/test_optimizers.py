@@ -11,7 +11,8 @@ import pytest
 
 import keras_dist as kd
 from keras_dist.training.update import UpdateInfo
-from keras_dist.optimizers import DCASGD, DynSGD, GapAware, StalenessLimit, StalenessScaled
+from keras_dist.optimizers import (DCASGD, DelayAdaptive, DynSGD, GapAware, Ringmaster,
+                                   StalenessLimit, StalenessScaled)
 from procs import digits_model
 
 LR = 0.1
@@ -63,6 +64,23 @@ def staleness_scaled(grads, w, pulled, tau, state):
 def limit(max_tau):
     def rule(grads, w, pulled, tau, state):
         return None if tau > max_tau else grads
+    return rule
+
+
+def delay_adaptive(workers):
+    def rule(grads, w, pulled, tau, state):
+        return [g * workers / max(workers, tau) for g in grads]
+    return rule
+
+
+def ringmaster(threshold):
+    """Ignores tau >= R; R = max(1, floor(sqrt(k))) at the k-th update (from 1)
+    when adaptive."""
+    def rule(grads, w, pulled, tau, state):
+        state["k"] = state.get("k", 0) + 1
+        limit = max(1, int(np.floor(np.sqrt(state["k"])))) if threshold == "adaptive" else (
+            threshold)
+        return None if tau >= limit else grads
     return rule
 
 
@@ -166,8 +184,10 @@ def test_gap_aware_on_the_momentum_buffer_matches_numpy(weight_decay, scale_deca
     (lambda: DCASGD(keras.optimizers.SGD(LR), lambda_=0.5), dc_constant(0.5)),
     (lambda: DCASGD(keras.optimizers.SGD(LR), mode="adaptive"), dc_adaptive(2.0, 0.95, 1e-7)),
     (lambda: GapAware(keras.optimizers.SGD(LR), beta=0.9), gap_aware(0.9, 1e-8)),
+    (lambda: DelayAdaptive(keras.optimizers.SGD(LR), workers=2), delay_adaptive(2)),
+    (lambda: Ringmaster(keras.optimizers.SGD(LR), threshold=3), ringmaster(3)),
 ], ids=["dynsgd", "staleness_scaled", "limit", "dcasgd_constant", "dcasgd_adaptive",
-        "gap_aware"])
+        "gap_aware", "delay_adaptive", "ringmaster"])
 def test_rule_matches_numpy(make, rule):
     weights, steps = make_state()
     got = run_wrapper(make(), weights, steps)
@@ -178,6 +198,24 @@ def test_rule_matches_numpy(make, rule):
     # correction applies by construction).
     plain = numpy_sgd(lambda grads, *a: grads, weights, steps)
     assert any(not np.allclose(g, p, atol=1e-6) for g, p in zip(got, plain))
+
+
+def test_adaptive_ringmaster_matches_numpy_and_counts_its_updates():
+    """R_k = max(1, floor(sqrt(k))): over 12 updates of tau 1, the first
+    three (R = 1) are ignored and the rest (R >= 2) applied."""
+    rng = np.random.default_rng(5)
+    weights = [rng.normal(size=s).astype("float32") for s in SHAPES]
+    steps = [([rng.normal(size=s).astype("float32") for s in SHAPES],
+              [np.zeros(s, "float32") for s in SHAPES], tau)
+             for tau in [1] * 12 + [3, 4, 2]]
+    opt = Ringmaster(keras.optimizers.SGD(LR), threshold="adaptive")
+    got = run_wrapper(opt, weights, steps)
+    for g, e in zip(got, numpy_sgd(ringmaster("adaptive"), weights, steps)):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
+    # k = 13, 14, 15: R = 3; taus 3 and 4 ignored, 2 applied.
+    assert opt.staleness_logs()["dropped_updates"] == 3 + 2
+    assert int(opt.updates_seen.numpy()) == 15
+    assert int(opt.iterations.numpy()) == 15 - 5  # the inner SGD saw the applied ones
 
 
 def test_limit_counts_dropped_updates():
@@ -209,6 +247,9 @@ WRAPPERS = {
     "dcasgd_adaptive": lambda inner, **kw: DCASGD(inner, mode="adaptive", **kw),
     "gap_aware": GapAware,
     "limit": lambda inner, **kw: StalenessLimit(inner, max_staleness=0, **kw),
+    "delay_adaptive": lambda inner, **kw: DelayAdaptive(inner, workers=2, **kw),
+    "ringmaster": lambda inner, **kw: Ringmaster(inner, threshold=1, **kw),
+    "ringmaster_adaptive": lambda inner, **kw: Ringmaster(inner, threshold="adaptive", **kw),
 }
 
 
@@ -304,10 +345,21 @@ def test_keras_save_load_then_training_continues(tmp_path, wrapper):
      r"wraps a LossScaleOptimizer. Wrap the other way round: LossScaleOptimizer\(DCASGD"),
     (lambda: StalenessLimit(DynSGD(keras.optimizers.LossScaleOptimizer(
         keras.optimizers.SGD())), 2), ValueError, "DynSGD wraps a LossScaleOptimizer"),
+    (lambda: DelayAdaptive(keras.optimizers.SGD(), workers=0), ValueError,
+     "`workers` must be an integer >= 1 or None. Received: workers=0"),
+    (lambda: DelayAdaptive(DynSGD(keras.optimizers.SGD())), ValueError,
+     "DelayAdaptive cannot wrap DynSGD"),
+    (lambda: Ringmaster(keras.optimizers.SGD(), threshold=0), ValueError,
+     r"`threshold` must be an integer >= 1 .*or 'adaptive'.*Received: threshold=0"),
+    (lambda: Ringmaster(keras.optimizers.SGD(), threshold="sqrt"), ValueError,
+     "Received: threshold='sqrt'"),
+    (lambda: Ringmaster(StalenessLimit(keras.optimizers.SGD(), 2), 3), ValueError,
+     "Ringmaster cannot wrap StalenessLimit"),
 ], ids=["not_optimizer", "negative_lambda", "mode", "momentum", "beta", "gap_measure",
         "gap_no_momentum", "gap_momentum_range", "negative_limit",
         "float_limit", "double_scaling", "gap_in_dynsgd", "double_limit", "dc_inside_lso",
-        "lso_deep_inside"])
+        "lso_deep_inside", "delay_adaptive_workers", "delay_adaptive_in_scaling",
+        "ringmaster_zero", "ringmaster_word", "ringmaster_in_limit"])
 def test_bad_input(make, error, message):
     with pytest.raises(error, match=message):
         make()

@@ -9,6 +9,12 @@ staleness (see docs/staleness-aware-optimizers.md):
 - `GapAware` (Barkai et al. 2020): elementwise penalty by the weight gap
 - `DANA` (Hakimi et al. 2019): per-worker momentum with look-ahead weights
 - `StalenessLimit`: drop updates with `tau > max_staleness`
+- `DelayAdaptive` (Koloskova et al. 2022, Mishchenko et al. 2022):
+  `g * N / max(N, tau)`
+- `Ringmaster` (Maranjyan et al. 2025): ignore updates with `tau >= R`
+
+`DelayedNesterov` (Liu et al. 2024) is an outer optimizer for local steps:
+Nesterov momentum updated once every N pushes.
 
 `implicit_momentum` / `compensated_momentum` (Mitliagkas et al. 2016) give
 the momentum asynchrony adds by itself, and what to set instead.
@@ -26,11 +32,15 @@ from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks
 from keras_dist.optimizers.base import StalenessAwareOptimizer
 from keras_dist.optimizers.dana import DANA
 from keras_dist.optimizers.dcasgd import DCASGD
+from keras_dist.optimizers.delay_adaptive import DelayAdaptive
+from keras_dist.optimizers.delayed_nesterov import DelayedNesterov
 from keras_dist.optimizers.dynsgd import DynSGD
 from keras_dist.optimizers.gap_aware import GapAware
 from keras_dist.optimizers.implicit import compensated_momentum, implicit_momentum
+from keras_dist.optimizers.ringmaster import Ringmaster
 from keras_dist.optimizers.staleness_limit import StalenessLimit
 from keras_dist.optimizers.staleness_scaled import StalenessScaled
 
-__all__ = ["DANA", "DCASGD", "DynSGD", "GapAware", "StalenessAwareOptimizer",
-           "StalenessLimit", "StalenessScaled", "compensated_momentum", "implicit_momentum"]
+__all__ = ["DANA", "DCASGD", "DelayAdaptive", "DelayedNesterov", "DynSGD", "GapAware",
+           "Ringmaster", "StalenessAwareOptimizer", "StalenessLimit", "StalenessScaled",
+           "compensated_momentum", "implicit_momentum"]

@@ -88,6 +88,11 @@ class StalenessAwareOptimizer(keras.optimizers.Optimizer):
     """Whether `transform` uses the update's worker (DANA): it keeps state per
     worker, for `workers` of them."""
 
+    sized_by_workers = False
+    """Whether its `workers` attribute (`None`: the cluster's, when built) sizes
+    its state or its rule (DANA, DelayAdaptive); `simulate.fit` sets it to
+    the simulated N."""
+
     family = None
     """Wrappers of one family (e.g. "scaling") must not be nested in each other."""
 
@@ -427,6 +432,35 @@ def check_pulled(name, why, pulled, variables):
             "on, one per variable: apply(grads, variables, update=UpdateInfo("
             "staleness=..., pulled=[...])). AsyncModel and keras_dist.simulate pass them. "
             f"Received: {received} for {len(variables)} variables.")
+
+
+def check_workers(workers, name="workers"):
+    """Refuses a worker count that is not an integer >= 1 or `None`."""
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int)
+                                or workers < 1):
+        raise ValueError(f"`{name}` must be an integer >= 1 or None. Received: "
+                         f"{name}={workers!r}.")
+
+
+def workers_of_strategy(owner, argument="workers"):
+    """The number of workers of the current strategy's cluster under a
+    `ParameterServerStrategy` (the cluster keras_dist built the strategy for);
+    1 under any other strategy. `owner` and `argument` name who asks, for
+    the error when the count is unknown."""
+    strategy = tf.distribute.get_strategy()
+    if not isinstance(strategy, tf.distribute.ParameterServerStrategy):
+        return 1
+    from keras_dist.cluster.strategy import cluster_of
+    from keras_dist.training.plan import workers_of
+
+    count = workers_of(cluster_of(strategy))
+    if not count:
+        raise ValueError(
+            f"{owner}({argument}=None) takes the number of workers from the cluster "
+            "description (TF_CONFIG or SLURM) the parameter-server strategy was built from, "
+            "and this strategy was not built by keras_dist from one. Pass "
+            f"{argument}=N, the number of worker tasks.")
+    return count
 
 
 def staleness_aware_in(optimizer):

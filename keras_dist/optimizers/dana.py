@@ -6,7 +6,8 @@ import tensorflow as tf
 from keras_dist import _compat
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 from keras_dist.training import update as update_lib
-from keras_dist.optimizers.base import StalenessAwareOptimizer, _chain, write_rows
+from keras_dist.optimizers.base import (StalenessAwareOptimizer, _chain, check_workers,
+                                        workers_of_strategy, write_rows)
 
 
 @keras.saving.register_keras_serializable(package="keras_dist")
@@ -77,6 +78,7 @@ class DANA(StalenessAwareOptimizer):
     """
 
     needs_worker = True
+    sized_by_workers = True
     family = "momentum"
     config_fields = ("momentum", "workers")
     unknown_staleness_means = "it trains as the only worker: Nesterov SGD"
@@ -86,7 +88,7 @@ class DANA(StalenessAwareOptimizer):
                 0 <= momentum < 1):
             raise ValueError(f"`momentum` must be a float in [0, 1). Received: "
                              f"momentum={momentum!r}.")
-        _check_workers(workers)
+        check_workers(workers)
         super().__init__(inner_optimizer, name=name, **kwargs)
         base = [o for o in _chain(inner_optimizer)
                 if not isinstance(o, StalenessAwareOptimizer)][0]
@@ -108,7 +110,7 @@ class DANA(StalenessAwareOptimizer):
                              "`variable_partitioner`) yet: its velocities are one slot of "
                              "shape (workers, *shape) per weight. Train without a partitioner.")
         if self.workers is None:
-            self.workers = _workers_of(tf.distribute.get_strategy())
+            self.workers = workers_of_strategy("DANA")
         self.velocities = [
             self.add_variable(shape=(self.workers,) + tuple(v.shape), initializer="zeros",
                               dtype=v.dtype, name=f"{v.name}_dana_velocity")
@@ -150,28 +152,3 @@ class DANA(StalenessAwareOptimizer):
         return [v.value + tf.cast(eta * self.momentum, v.dtype)
                 * tf.reduce_sum(self.velocities[_compat.variable_index(self, v)].value, axis=0)
                 for v in variables]
-
-
-def _check_workers(workers):
-    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int)
-                                or workers < 1):
-        raise ValueError(f"`workers` must be an integer >= 1 or None. Received: "
-                         f"workers={workers!r}.")
-
-
-def _workers_of(strategy):
-    """The cluster's workers under a `ParameterServerStrategy` (the cluster
-    keras_dist built the strategy for); 1 otherwise."""
-    if not isinstance(strategy, tf.distribute.ParameterServerStrategy):
-        return 1
-    from keras_dist.cluster.strategy import cluster_of
-    from keras_dist.training.plan import workers_of
-
-    count = workers_of(cluster_of(strategy))
-    if not count:
-        raise ValueError(
-            "DANA(workers=None) takes the number of workers from the cluster description "
-            "(TF_CONFIG or SLURM) the parameter-server strategy was built from, and this "
-            "strategy was not built by keras_dist from one. Pass workers=N, the number "
-            "of worker tasks.")
-    return count
