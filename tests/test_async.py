@@ -69,8 +69,9 @@ def test_async_digits_training(request, shared_cluster, steps_per_execution):
 @pytest.mark.compat("wrappers")
 def test_every_staleness_aware_wrapper_trains_asynchronously(request, shared_cluster):
     results, _ = shared_cluster.result(request.node)
-    assert sorted(results) == ["DCASGD", "DCASGD-adaptive", "DynSGD", "GapAware",
-                               "GapAware-momentum", "StalenessLimit", "StalenessScaled"]
+    assert sorted(results) == ["DCASGD", "DCASGD-adaptive", "DelayAdaptive", "DynSGD",
+                               "GapAware", "GapAware-momentum", "Ringmaster", "StalenessLimit",
+                               "StalenessScaled"]
     for name, result in results.items():
         # Learns (see procs.ASYNC_LEARNS: DynSGD's 8 short epochs ended at
         # 0.894 once on TF 2.16).
@@ -86,6 +87,17 @@ def test_every_staleness_aware_wrapper_trains_asynchronously(request, shared_clu
     limit = logs["StalenessLimit"]
     for dropped, mean_tau in zip(limit["dropped_updates"], limit["staleness_mean"]):
         assert (dropped > 0) == (mean_tau > 0)
+    # DelayAdaptive took N = 2 from the cluster; its scale is N / max(N, tau).
+    assert results["DelayAdaptive"]["workers"] == 2
+    assert all(0 < s <= 1 for s in logs["DelayAdaptive"]["delay_adaptive_scale_mean"])
+    # Ringmaster: the inner SGD applied exactly the updates not dropped, and
+    # the logged share applied is that count's.
+    ring = results["Ringmaster"]
+    dropped = sum(ring["history"]["dropped_updates"])
+    assert ring["iterations"] == 8 * 45 - dropped, (ring["iterations"], dropped)
+    for share, drops in zip(ring["history"]["ringmaster_scale_mean"],
+                            ring["history"]["dropped_updates"]):
+        assert share == pytest.approx(1 - drops / 45, abs=1e-6)
 
 
 def test_wrappers_under_mixed_precision_train_asynchronously(request, shared_cluster):

@@ -101,8 +101,14 @@ def train(outer, elastic=None):
     history = model.fit(X, Y, batch_size=32, epochs=6, steps_per_epoch=40 * K, verbose=0,
                         local_steps=K, outer_optimizer=outer, elastic=elastic,
                         validation_data=(X_TEST, Y_TEST))
+    outer_state = {}
+    if isinstance(outer, kd.optimizers.DelayedNesterov):
+        outer = model.outer_optimizer  # the one trained (made again in the strategy's scope)
+        outer_state = {"workers": outer.workers, "iterations": int(outer.iterations.numpy()),
+                       "buffer": max(float(np.abs(b.numpy()).max()) for b in outer.buffers),
+                       "momentum": max(float(np.abs(m.numpy()).max()) for m in outer.momentums)}
     return {"test_accuracy": model.evaluate(X_TEST, Y_TEST, verbose=0, return_dict=True)[
-                "accuracy"],
+                "accuracy"], "outer": outer_state,
             "version": model.version, "history": history.history,
             # The last epoch's executions: each worker's pull, steps, push, total.
             "phases": [[r.pull, r.compute, r.push, r.seconds]
@@ -150,6 +156,8 @@ def main(out_dir):
         "train": train(None),
         # Outer momentum amplifies stale pushes: lr / (1 - momentum) near 1.
         "train_outer": train(keras.optimizers.SGD(0.7, momentum=0.3, nesterov=True)),
+        # Delayed Nesterov (Liu et al. 2024): N = 2 from the cluster.
+        "train_delayed_nesterov": train(kd.optimizers.DelayedNesterov(0.7, momentum=0.3)),
         "elastic_sum": racing_sum(elastic=0.3),
         "train_elastic": train(None, elastic=0.45),  # 0.9 / workers, as the paper suggests
         "errors": errors()}

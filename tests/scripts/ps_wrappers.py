@@ -40,6 +40,10 @@ WRAPPERS = {
         scale_weight_decay=True),
     "StalenessLimit": lambda: O.StalenessLimit(
         O.DynSGD(keras.optimizers.Adam(3e-3)), max_staleness=0),
+    # workers=None: N from the cluster (2); the threshold grows as sqrt(k).
+    "DelayAdaptive": lambda: O.DelayAdaptive(keras.optimizers.SGD(0.05, momentum=0.9)),
+    "Ringmaster": lambda: O.Ringmaster(keras.optimizers.SGD(0.05, momentum=0.9),
+                                       threshold="adaptive"),
 }
 
 
@@ -67,6 +71,8 @@ def main(out_dir):
         accuracy = model.evaluate(x_test, y_test, return_dict=True, verbose=0)["accuracy"]
         results[name] = {"test_accuracy": accuracy, "history": history.history,
                          "version": model.version,
+                         "workers": getattr(model.optimizer, "workers", None),
+                         "iterations": int(model.optimizer.iterations.numpy()),
                          "optimizer_chain": _chain(model.optimizer)}
     with open(os.path.join(out_dir, "result.json"), "w") as f:
         json.dump(results, f)
