@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 
-SPEEDS = ("constant", "lognormal")
+SPEEDS = ("constant", "lognormal", "pareto")
 
 
 @dataclasses.dataclass
@@ -46,16 +46,26 @@ class Schedule:
         return float(self.staleness.mean()) if len(self.staleness) else 0.0
 
 
-def schedule(workers, updates, *, speed="lognormal", sigma=0.2, stragglers=None,
+def schedule(workers, updates, *, speed="lognormal", sigma=0.2, alpha=2.5, stragglers=None,
              outages=None, gap=0.0, concurrency=None, seed=0):
     """Simulates which worker lands each update, and its staleness.
 
     Each worker repeats: read the weights, compute for one step time, apply,
-    then wait `gap` before reading again. Step times are 1
-    (`speed="constant"`) or log-normal around 1 with `sigma`
-    (`"lognormal"`); a straggler's are multiplied by its factor; a worker in
-    an outage `(start, end)` (simulated time) loses the step in progress and
-    starts afresh at `end` with newly read weights.
+    then wait `gap` before reading again. Step times are drawn afresh for
+    every step: 1 (`speed="constant"`), log-normal with median 1 and spread
+    `sigma` (`"lognormal"`), or heavy-tailed, Pareto with shape `alpha` and
+    mean 1 (`"pareto"`, below); a straggler's are multiplied by its factor;
+    a worker in an outage `(start, end)` (simulated time) loses the step in
+    progress and starts afresh at `end` with newly read weights.
+
+    `speed="pareto"` draws `x_m * (1 + Lomax(alpha))`, the Pareto law with
+    minimum `x_m = (alpha - 1) / alpha` and mean 1: no step is faster than
+    `x_m`, and `P(T > t) = (x_m / t) ** alpha` above it, a power-law tail as
+    in the straggler literature. The default `alpha=2.5` has a finite
+    variance (so a run's mean step time settles as it grows) and still a
+    long tail: 0.9% of steps take over 4 units, and the slowest of 64
+    workers' steps takes 4.7 on average (1.6 with log-normal `sigma=0.2`).
+    Smaller `alpha` (down to just above 1) gives heavier tails.
 
     The gap is the time between an update and the worker's next read that
     no other update can make stale: on a real cluster, handing the worker
@@ -68,11 +78,16 @@ def schedule(workers, updates, *, speed="lognormal", sigma=0.2, stragglers=None,
     Args:
         workers: Integer >= 1. Number of workers N.
         updates: Integer >= 0. Number of updates to simulate.
-        speed: String. `"constant"` or `"lognormal"`. Defaults to
-            `"lognormal"`.
-        sigma: Float >= 0. Log-normal spread. Defaults to `0.2`.
+        speed: String. `"constant"`, `"lognormal"` or `"pareto"`. Defaults
+            to `"lognormal"`.
+        sigma: Float >= 0. Log-normal spread (`speed="lognormal"` only).
+            Defaults to `0.2`.
+        alpha: Float > 1. Pareto shape (`speed="pareto"` only); the mean
+            step time is 1 whatever `alpha`. Defaults to `2.5`.
         stragglers: Dict or `None`. Worker index to slowdown factor (> 0),
-            e.g. `{0: 4.0}`.
+            e.g. `{0: 4.0}`: every step of that worker takes `factor` times
+            its draw (a persistently slow worker, on top of the per-step
+            draws).
         outages: Dict or `None`. Worker index to `(start, end)` times.
         gap: Float >= 0, or a dict of worker index to float. Time between a
             worker's update and its next read, in step times. Defaults to
@@ -96,22 +111,19 @@ def schedule(workers, updates, *, speed="lognormal", sigma=0.2, stragglers=None,
     >>> s = simulate.schedule(4, 100, speed="constant", gap=1.0)
     >>> float(s.staleness[4:].mean())   # (N - 1) / (1 + gap)
     1.5
+    >>> s = simulate.schedule(16, 4000, speed="pareto", alpha=2.5)
+    >>> round(float(np.diff(s.times).mean() * 16), 1)   # mean step time 1
+    1.0
 
     Raises:
-        ValueError: for bad counts, speeds, factors, outages, gaps or
-            concurrency.
+        ValueError: for bad counts, speeds, spreads, shapes, factors,
+            outages, gaps or concurrency.
     """
     _check_int(workers, "workers", 1)
     _check_int(updates, "updates", 0)
-    if speed not in SPEEDS:
-        raise ValueError(f"`speed` must be one of {SPEEDS}. Received: speed={speed!r}.")
-    stragglers = dict(stragglers or {})
+    stragglers = _check_stragglers(stragglers, workers)
+    duration = _step_time_sampler(speed, sigma, alpha, stragglers, np.random.default_rng(seed))
     outages = dict(outages or {})
-    for worker, factor in stragglers.items():
-        if not 0 <= worker < workers or not factor > 0:
-            raise ValueError(
-                f"`stragglers` maps a worker index in [0, {workers}) to a slowdown "
-                f"factor > 0. Received: {{{worker!r}: {factor!r}}}.")
     for worker, (start, end) in outages.items():
         if not 0 <= worker < workers or not 0 <= start < end:
             raise ValueError(
@@ -126,12 +138,6 @@ def schedule(workers, updates, *, speed="lognormal", sigma=0.2, stragglers=None,
                 f"to one. Received: gap={gap!r}.")
     if concurrency is not None:
         _check_int(concurrency, "concurrency", 1)
-    rng = np.random.default_rng(seed)
-
-    def duration(worker):
-        base = 1.0 if speed == "constant" else rng.lognormal(0.0, sigma)
-        return base * stragglers.get(worker, 1.0)
-
     if concurrency is not None:
         return _limited_schedule(workers, updates, duration, outages, gaps, concurrency)
     finish = np.array([duration(w) for w in range(workers)])
@@ -253,8 +259,8 @@ def fit(model, x, y, *, workers, epochs=1, batch_size=32, validation_data=None,
             (EASGD): each worker's rounds start from its own weights, and a
             push moves them and the centre (the model) `elastic` of the way
             towards each other, with the centre as the worker read it.
-        **schedule_kwargs: `speed`, `sigma`, `stragglers`, `outages`,
-            `gap`, `concurrency` (see `schedule`).
+        **schedule_kwargs: `speed`, `sigma`, `alpha`, `stragglers`,
+            `outages`, `gap`, `concurrency` (see `schedule`).
 
     Returns:
         `(history, schedule)`: a dict of per-epoch lists (`loss`, and
@@ -454,6 +460,43 @@ def _set_workers(optimizer, workers):
                     f"{type(o).__name__} keeps state for {o.workers} workers and "
                     f"simulate.fit runs workers={workers}. Use a new optimizer, or "
                     f"{type(o).__name__}(..., workers={workers}).")
+
+
+def _check_stragglers(stragglers, workers):
+    stragglers = dict(stragglers or {})
+    for worker, factor in stragglers.items():
+        if not 0 <= worker < workers or not factor > 0:
+            raise ValueError(
+                f"`stragglers` maps a worker index in [0, {workers}) to a slowdown "
+                f"factor > 0. Received: {{{worker!r}: {factor!r}}}.")
+    return stragglers
+
+
+def _step_time_sampler(speed, sigma, alpha, stragglers, rng):
+    """`duration(worker)`: one step time of `worker`, drawn from `rng` (no
+    draw for `"constant"`), times its straggler factor. Validates the speed
+    model's arguments."""
+    if speed not in SPEEDS:
+        raise ValueError(f"`speed` must be one of {SPEEDS}. Received: speed={speed!r}.")
+    if (isinstance(sigma, bool) or not isinstance(sigma, (int, float, np.floating))
+            or not 0 <= sigma < np.inf):
+        raise ValueError(f"`sigma` must be a float >= 0. Received: sigma={sigma!r}.")
+    if (isinstance(alpha, bool) or not isinstance(alpha, (int, float, np.floating))
+            or not 1 < alpha < np.inf):
+        raise ValueError(f"`alpha` must be a float > 1 (the Pareto mean is infinite "
+                         f"at 1 and below). Received: alpha={alpha!r}.")
+    minimum = (alpha - 1.0) / alpha  # Pareto scale x_m: the mean alpha x_m / (alpha - 1) is 1
+
+    def duration(worker):
+        if speed == "constant":
+            base = 1.0
+        elif speed == "lognormal":
+            base = rng.lognormal(0.0, sigma)
+        else:  # numpy's pareto is Lomax (Pareto II); 1 + it is Pareto I with minimum 1
+            base = minimum * (1.0 + rng.pareto(alpha))
+        return base * stragglers.get(worker, 1.0)
+
+    return duration
 
 
 def _version_at(times, t):

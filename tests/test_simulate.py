@@ -78,7 +78,7 @@ def test_a_worker_with_a_long_gap_lands_fewer_updates_and_makes_the_others_fresh
 @pytest.mark.parametrize("kwargs", [
     dict(speed="constant"), dict(sigma=0.3), dict(stragglers={0: 3.0}), dict(gap=1.5),
     dict(gap={1: 2.0}, stragglers={2: 0.5}), dict(speed="constant", outages={2: (10.5, 50.0)}),
-    dict(outages={1: (3.0, 9.0)}, gap=0.7)])
+    dict(outages={1: (3.0, 9.0)}, gap=0.7), dict(speed="pareto", alpha=1.8, stragglers={1: 2.0})])
 def test_concurrency_of_every_worker_is_the_unlimited_schedule_exactly(kwargs):
     for workers in (3, 4, 16):
         free = simulate.schedule(workers, 500, seed=3, **kwargs)
@@ -105,9 +105,48 @@ def test_schedule_is_deterministic_under_a_seed():
     assert not np.array_equal(a.workers, simulate.schedule(8, 300, seed=6).workers)
 
 
+@pytest.mark.parametrize("speed, draw", [
+    ("lognormal", lambda rng, n: rng.lognormal(0.0, 0.3, n)),
+    ("pareto", lambda rng, n: 0.6 * (1.0 + rng.pareto(2.5, n)))])
+def test_one_workers_update_times_add_up_its_seeded_draws_in_order(speed, draw):
+    """Pins the random draws: one draw from default_rng(seed) per step, in
+    order, so a seed gives the same schedule as before Pareto speeds came."""
+    sched = simulate.schedule(1, 50, speed=speed, sigma=0.3, alpha=2.5, seed=7)
+    np.testing.assert_allclose(sched.times, np.cumsum(draw(np.random.default_rng(7), 50)),
+                               rtol=1e-12)
+
+
+@pytest.mark.parametrize("alpha", [1.5, 2.5, 4.0])
+def test_pareto_step_times_have_mean_one_and_a_power_law_tail(alpha):
+    """Pareto with minimum (alpha - 1) / alpha: the survival function is
+    (x_m / t) ** alpha, each point within 4 standard errors."""
+    n = 40_000
+    steps = np.diff(simulate.schedule(1, n, speed="pareto", alpha=alpha, seed=1).times,
+                    prepend=0.0)
+    x_m = (alpha - 1) / alpha
+    assert steps.min() >= x_m
+    for t in (0.8, 1.5, 3.0):
+        p = (x_m / t) ** alpha
+        assert abs(np.mean(steps > t) - p) < 4 * np.sqrt(p * (1 - p) / n), t
+    if alpha > 2:  # a finite variance: the mean settles
+        sd = x_m * np.sqrt(alpha / (alpha - 2)) / (alpha - 1)
+        assert abs(steps.mean() - 1.0) < 4 * sd / np.sqrt(n)
+
+
+def test_a_pareto_straggler_lands_a_share_set_by_its_factor():
+    sched = simulate.schedule(4, 4000, speed="pareto", stragglers={0: 4.0}, seed=2)
+    counts = np.bincount(sched.workers, minlength=4)
+    assert counts[0] == pytest.approx(counts[1:].mean() / 4, rel=0.15)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(workers=0, updates=5), "`workers` must be an integer >= 1. Received: workers=0"),
-    (dict(workers=2, updates=5, speed="fast"), "`speed` must be one of"),
+    (dict(workers=2, updates=5, speed="fast"),
+     r"`speed` must be one of \('constant', 'lognormal', 'pareto'\). Received: speed='fast'"),
+    (dict(workers=2, updates=5, speed="pareto", alpha=1.0),
+     r"`alpha` must be a float > 1 .*Received: alpha=1.0"),
+    (dict(workers=2, updates=5, alpha=True), "Received: alpha=True"),
+    (dict(workers=2, updates=5, sigma=-0.1), r"`sigma` must be a float >= 0. Received: sigma=-0.1"),
     (dict(workers=2, updates=5, stragglers={3: 2.0}), "`stragglers` maps a worker index"),
     (dict(workers=2, updates=5, outages={0: (5, 1)}), "`outages` maps a worker index"),
     (dict(workers=2, updates=5, gap=-1.0), r"`gap` is a time >= 0.*Received: gap=-1.0"),
