@@ -78,7 +78,7 @@ def test_a_worker_with_a_long_gap_lands_fewer_updates_and_makes_the_others_fresh
 @pytest.mark.parametrize("kwargs", [
     dict(speed="constant"), dict(sigma=0.3), dict(stragglers={0: 3.0}), dict(gap=1.5),
     dict(gap={1: 2.0}, stragglers={2: 0.5}), dict(speed="constant", outages={2: (10.5, 50.0)}),
-    dict(outages={1: (3.0, 9.0)}, gap=0.7)])
+    dict(outages={1: (3.0, 9.0)}, gap=0.7), dict(speed="pareto", alpha=1.8, stragglers={1: 2.0})])
 def test_concurrency_of_every_worker_is_the_unlimited_schedule_exactly(kwargs):
     for workers in (3, 4, 16):
         free = simulate.schedule(workers, 500, seed=3, **kwargs)
@@ -105,9 +105,48 @@ def test_schedule_is_deterministic_under_a_seed():
     assert not np.array_equal(a.workers, simulate.schedule(8, 300, seed=6).workers)
 
 
+@pytest.mark.parametrize("speed, draw", [
+    ("lognormal", lambda rng, n: rng.lognormal(0.0, 0.3, n)),
+    ("pareto", lambda rng, n: 0.6 * (1.0 + rng.pareto(2.5, n)))])
+def test_one_workers_update_times_add_up_its_seeded_draws_in_order(speed, draw):
+    """Pins the random draws: one draw from default_rng(seed) per step, in
+    order, so a seed gives the same schedule as before Pareto speeds came."""
+    sched = simulate.schedule(1, 50, speed=speed, sigma=0.3, alpha=2.5, seed=7)
+    np.testing.assert_allclose(sched.times, np.cumsum(draw(np.random.default_rng(7), 50)),
+                               rtol=1e-12)
+
+
+@pytest.mark.parametrize("alpha", [1.5, 2.5, 4.0])
+def test_pareto_step_times_have_mean_one_and_a_power_law_tail(alpha):
+    """Pareto with minimum (alpha - 1) / alpha: the survival function is
+    (x_m / t) ** alpha, each point within 4 standard errors."""
+    n = 40_000
+    steps = np.diff(simulate.schedule(1, n, speed="pareto", alpha=alpha, seed=1).times,
+                    prepend=0.0)
+    x_m = (alpha - 1) / alpha
+    assert steps.min() >= x_m
+    for t in (0.8, 1.5, 3.0):
+        p = (x_m / t) ** alpha
+        assert abs(np.mean(steps > t) - p) < 4 * np.sqrt(p * (1 - p) / n), t
+    if alpha > 2:  # a finite variance: the mean settles
+        sd = x_m * np.sqrt(alpha / (alpha - 2)) / (alpha - 1)
+        assert abs(steps.mean() - 1.0) < 4 * sd / np.sqrt(n)
+
+
+def test_a_pareto_straggler_lands_a_share_set_by_its_factor():
+    sched = simulate.schedule(4, 4000, speed="pareto", stragglers={0: 4.0}, seed=2)
+    counts = np.bincount(sched.workers, minlength=4)
+    assert counts[0] == pytest.approx(counts[1:].mean() / 4, rel=0.15)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(workers=0, updates=5), "`workers` must be an integer >= 1. Received: workers=0"),
-    (dict(workers=2, updates=5, speed="fast"), "`speed` must be one of"),
+    (dict(workers=2, updates=5, speed="fast"),
+     r"`speed` must be one of \('constant', 'lognormal', 'pareto'\). Received: speed='fast'"),
+    (dict(workers=2, updates=5, speed="pareto", alpha=1.0),
+     r"`alpha` must be a float > 1 .*Received: alpha=1.0"),
+    (dict(workers=2, updates=5, alpha=True), "Received: alpha=True"),
+    (dict(workers=2, updates=5, sigma=-0.1), r"`sigma` must be a float >= 0. Received: sigma=-0.1"),
     (dict(workers=2, updates=5, stragglers={3: 2.0}), "`stragglers` maps a worker index"),
     (dict(workers=2, updates=5, outages={0: (5, 1)}), "`outages` maps a worker index"),
     (dict(workers=2, updates=5, gap=-1.0), r"`gap` is a time >= 0.*Received: gap=-1.0"),
@@ -288,3 +327,175 @@ def test_bad_elastic_in_the_simulator(kwargs, message):
     x, y = np.zeros((64, 64), "float32"), np.zeros((64,), "int64")
     with pytest.raises(ValueError, match=message):
         simulate.fit(model, x, y, workers=2, local_steps=2, **kwargs)
+
+
+# ------------------------------------------- synchronous SGD with backup workers
+@pytest.mark.parametrize("workers, backup, kwargs", [
+    (4, 0, dict(speed="pareto")), (8, 2, dict(speed="pareto", alpha=1.7)),
+    (5, 3, dict(sigma=0.5, stragglers={6: 3.0}))])
+def test_sync_steps_wait_for_the_nth_fastest_and_drop_the_slowest(workers, backup, kwargs):
+    """Every step draws N + b step times (worker order, one seeded stream, as
+    `schedule`); it lasts the N-th smallest and drops the b largest."""
+    sched = simulate.sync_schedule(workers, 50, backup=backup, seed=4, **kwargs)
+    rng, total = np.random.default_rng(4), workers + backup
+    factor = np.array([kwargs.get("stragglers", {}).get(w, 1.0) for w in range(total)])
+    now = 0.0
+    for u in range(50):
+        if kwargs.get("speed") == "pareto":
+            alpha = kwargs.get("alpha", 2.5)
+            draws = (alpha - 1) / alpha * (1.0 + np.array([rng.pareto(alpha) for _ in factor]))
+        else:
+            draws = np.array([rng.lognormal(0.0, kwargs["sigma"]) for _ in factor])
+        steps = draws * factor
+        now += np.sort(steps)[workers - 1]
+        assert sched.times[u] == pytest.approx(now, rel=1e-12)
+        assert sorted(sched.dropped[u].tolist()) == sorted(np.argsort(steps)[workers:].tolist())
+    assert sched.dropped.shape == (50, backup)
+
+
+def test_backup_workers_cut_the_simulated_time_of_heavy_tailed_steps():
+    """64 workers: waiting for the slowest of 64 Pareto(2.5) draws costs
+    about 4.7 units a step; the 64th of 67 about 2. Constant steps: no gain."""
+    plain = simulate.sync_schedule(64, 300, speed="pareto", seed=1)
+    backed = simulate.sync_schedule(64, 300, backup=3, speed="pareto", seed=1)
+    assert plain.step_times.mean() == pytest.approx(4.7, rel=0.15)
+    assert backed.step_times.mean() == pytest.approx(2.0, rel=0.1)
+    assert backed.times[-1] < 0.5 * plain.times[-1]
+    lognormal = simulate.sync_schedule(64, 300, backup=3, sigma=0.2, seed=1)
+    assert lognormal.step_times.mean() < backed.step_times.mean()  # a light tail gains less
+    even = [simulate.sync_schedule(64, 10, backup=b, speed="constant").times for b in (0, 3)]
+    np.testing.assert_array_equal(even[0], even[1])
+
+
+def test_sync_fit_without_backups_is_one_step_on_the_concatenated_batches(digits):
+    """backup=0: the mean of N batch gradients is the gradient of their
+    concatenation (a mean loss); the rate ramps from lr to N lr over the
+    first 10% of the updates (the staleness benchmark's `_sync_fit`)."""
+    (x, y), _ = digits
+    x, y = x[:1024], y[:1024]
+    workers, epochs, lr = 4, 3, 0.05
+    simulated, plain = _digits_mlp(keras.optimizers.SGD(lr)), _digits_mlp(keras.optimizers.SGD(lr))
+    start = [w.numpy() for w in simulated.trainable_weights]
+    history, sched = simulate.sync_fit(simulated, x, y, workers=workers, epochs=epochs, seed=3)
+    rng, batches = np.random.default_rng(3), []
+    for _ in range(epochs):
+        order = rng.permutation(len(x))
+        batches += [order[i * 32:(i + 1) * 32] for i in range(len(x) // 32)]
+    updates = len(batches) // workers
+    warmup = max(1, updates // 10)
+    for u in range(updates):
+        scale = workers if u >= warmup else 1 + (workers - 1) * u / warmup
+        plain.optimizer.learning_rate = lr * scale
+        idx = np.concatenate(batches[u * workers:(u + 1) * workers])
+        plain.train_on_batch(x[idx], y[idx])
+    assert len(sched.times) == updates == 24 and warmup == 2
+    for a, b, w0 in zip(simulated.trainable_weights, plain.trainable_weights, start):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-5)
+        assert np.abs(a.numpy() - w0).max() > 0.01
+    assert float(simulated.optimizer.learning_rate) == pytest.approx(lr)  # set back
+    assert len(history["loss"]) == epochs and history["loss"][-1] < history["loss"][0]
+
+
+def _mean_output_model(lr):
+    """A linear model whose loss, mean(x @ w), has gradient mean(x) whatever w."""
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras.layers.Dense(1, use_bias=False)(inputs))
+    model.compile(keras.optimizers.SGD(lr), lambda y_true, y_pred: keras.ops.mean(y_pred))
+    return model
+
+
+@pytest.mark.parametrize("workers, backup, kwargs", [
+    (3, 1, dict(stragglers={1: 100.0}, lr_scaling="linear", warmup=0.0)),
+    (4, 2, dict(speed="pareto", lr_scaling="sqrt", warmup=0.25))])
+def test_sync_fit_applies_the_mean_of_the_n_fastest_gradients(workers, backup, kwargs):
+    """A NumPy replay: each update takes the stream's next N + b batches
+    (worker w the w-th), and applies rate x the mean gradient of the
+    workers not dropped. With a 100x straggler, it is always worker 1."""
+    lr, batch, epochs, n = 0.01, 8, 3, 96
+    x = np.abs(np.random.default_rng(0).normal(size=(n, 3))).astype("float32")
+    model = _mean_output_model(lr)
+    w0 = model.weights[0].numpy()[:, 0].astype(np.float64)
+    _, sched = simulate.sync_fit(model, x, np.zeros((n, 1), "float32"), workers=workers,
+                                 backup=backup, epochs=epochs, batch_size=batch, seed=5,
+                                 **kwargs)
+    if "stragglers" in kwargs:
+        assert set(sched.dropped.ravel().tolist()) == {1}
+    else:
+        assert len(set(map(tuple, sched.dropped.tolist()))) > 3  # the dropped ones vary
+    total, updates = workers + backup, epochs * (n // batch) // workers
+    rng, stream = np.random.default_rng(5), []
+    while len(stream) < updates * total:
+        order = rng.permutation(n)
+        stream += [order[i * batch:(i + 1) * batch] for i in range(n // batch)]
+    top = workers if kwargs["lr_scaling"] == "linear" else np.sqrt(workers)
+    ramp = max(1, int(kwargs["warmup"] * updates)) if kwargs["warmup"] else 0
+    w = w0.copy()
+    for u in range(updates):
+        rate = lr * (top if u >= ramp else 1 + (top - 1) * u / ramp)
+        kept = [k for k in range(total) if k not in sched.dropped[u]]
+        w -= rate * np.mean([x[stream[u * total + k]].mean(axis=0) for k in kept], axis=0)
+    np.testing.assert_allclose(model.weights[0].numpy()[:, 0], w, atol=1e-5)
+    assert np.abs(w - w0).max() > 0.05
+
+
+def test_sync_fit_counts_examples_by_the_applied_batches():
+    """Backups read more batches, not more updates; epochs end where their
+    passes' worth of applied batches does, also when one update spans
+    several epochs."""
+    x, y = np.ones((96, 3), "float32"), np.zeros((96, 1), "float32")
+    runs = {b: simulate.sync_fit(_mean_output_model(0.01), x, y, workers=4, backup=b, epochs=3,
+                                 batch_size=8, seed=2, speed="pareto") for b in (0, 2)}
+    (_, plain), (history, backed) = runs[0], runs[2]
+    assert len(plain.times) == len(backed.times) == 3 * 12 // 4
+    assert plain.batches_applied == backed.batches_applied == 36
+    assert (plain.batches_consumed, backed.batches_consumed) == (36, 54)
+    assert backed.epoch_ends.tolist() == [3, 6, 9] and len(history["loss"]) == 3
+    np.testing.assert_array_equal(simulate.epoch_times(backed, 3), backed.times[[2, 5, 8]])
+    # 16 batches per update, 12 per epoch: updates end in epochs 2 and 3 only.
+    history, wide = simulate.sync_fit(_mean_output_model(0.01), x, y, workers=16, epochs=3,
+                                      batch_size=8, validation_data=(x, y))
+    assert wide.epoch_ends.tolist() == [0, 1, 2]
+    assert np.isnan(history["loss"][0]) and not np.isnan(history["loss"][1])
+    assert simulate.epoch_times(wide, 3).tolist() == [0.0, wide.times[0], wide.times[1]]
+    assert len(history["val_loss"]) == 3 and history["val_loss"][1] != history["val_loss"][0]
+
+
+def test_epoch_times_of_an_asynchronous_run_are_its_last_updates_times():
+    model = _mean_output_model(0.01)
+    x, y = np.ones((96, 3), "float32"), np.zeros((96, 1), "float32")
+    history, sched = simulate.fit(model, x, y, workers=4, epochs=3, batch_size=8, seed=1)
+    times = simulate.epoch_times(sched, 3)
+    np.testing.assert_array_equal(times, sched.times[[11, 23, 35]])
+    assert len(times) == len(history["loss"]) and np.all(np.diff(times) > 0)
+    with pytest.raises(ValueError, match="36 updates do not split into equal epochs. "
+                                         "Received: epochs=5"):
+        simulate.epoch_times(sched, 5)
+    with pytest.raises(ValueError, match="This SyncSchedule has no epochs"):
+        simulate.epoch_times(simulate.sync_schedule(2, 4), 1)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(backup=-1), "`backup` must be an integer >= 0. Received: backup=-1"),
+    (dict(lr_scaling="cubic"), r"`lr_scaling` must be one of .*Received: lr_scaling='cubic'"),
+    (dict(warmup=1.5), r"`warmup` must be a fraction .*Received: warmup=1.5"),
+    (dict(workers=8), r"One update takes workers=8 batches; 1 epoch\(s\) of 64 samples"),
+    (dict(stragglers={3: 2.0}), r"`stragglers` maps a worker index in \[0, 3\)"),
+    (dict(speed="pareto", alpha=0.5), "Received: alpha=0.5"),
+])
+def test_bad_sync_fit_arguments(kwargs, message):
+    model = _mean_output_model(0.01)
+    x, y = np.ones((64, 3), "float32"), np.zeros((64, 1), "float32")
+    kwargs = {"workers": 2, "backup": 1, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        simulate.sync_fit(model, x, y, **kwargs)
+
+
+def test_sync_fit_will_not_overwrite_a_learning_rate_schedule():
+    keras.utils.set_random_seed(1)
+    decay = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5)
+    model = _digits_mlp(keras.optimizers.SGD(decay))
+    x, y = np.zeros((64, 64), "float32"), np.zeros((64,), "int64")
+    with pytest.raises(ValueError, match="Use a float learning rate, or lr_scaling=\"none\""):
+        simulate.sync_fit(model, x, y, workers=2)
+    simulate.sync_fit(model, x, y, workers=2, lr_scaling="none", warmup=0)  # kept as it is
