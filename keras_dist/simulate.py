@@ -15,8 +15,9 @@ updates themselves take. Deterministic for a given seed.
 
 import collections
 import dataclasses
+import functools
 import heapq
-from typing import Dict, Optional
+from typing import Dict, Optional, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -35,11 +36,17 @@ class Schedule:
         staleness: Int array, each update's tau (updates applied between its
             worker's read and its own).
         times: Float array, the simulated time each update lands.
+        stopped: Integer. Computations stopped before they landed and
+            started again on fresh weights (`restart_stale`); 0 otherwise.
+        epoch_ends: Int array or `None`. Set by `fit`: the number of
+            updates applied by the end of each epoch.
     """
 
     workers: np.ndarray
     staleness: np.ndarray
     times: np.ndarray
+    stopped: int = 0
+    epoch_ends: Optional[np.ndarray] = None
 
     @property
     def mean_staleness(self):
@@ -47,7 +54,7 @@ class Schedule:
 
 
 def schedule(workers, updates, *, speed="lognormal", sigma=0.2, alpha=2.5, stragglers=None,
-             outages=None, gap=0.0, concurrency=None, seed=0):
+             outages=None, gap=0.0, concurrency=None, restart_stale=None, seed=0):
     """Simulates which worker lands each update, and its staleness.
 
     Each worker repeats: read the weights, compute for one step time, apply,
@@ -97,6 +104,16 @@ def schedule(workers, updates, *, speed="lognormal", sigma=0.2, alpha=2.5, strag
             CPU cores or an accelerator); a worker ready to start waits for
             a free slot, first come first served, and reads the weights when
             it gets one. `None` (default): no limit.
+        restart_stale: Integer >= 1, `"adaptive"` or `None`. Ringmaster
+            ASGD's stopping form (Maranjyan et al. 2025; the wrapper is
+            `kd.optimizers.Ringmaster`): as soon as a worker's computation
+            has `R` updates landed since its read, it is stopped and starts
+            again on the weights of that moment (a fresh step time), so
+            every update lands with `tau < R` and no time goes into a
+            gradient that would be ignored. `"adaptive"`: `R = max(1,
+            floor(sqrt(k)))` for the `k`-th update. The stopped count is
+            `Schedule.stopped`. Not with `outages`, `gap` or `concurrency`.
+            `None` (default): nothing is stopped.
         seed: Integer. Defaults to `0`.
 
     Returns:
@@ -138,6 +155,16 @@ def schedule(workers, updates, *, speed="lognormal", sigma=0.2, alpha=2.5, strag
                 f"to one. Received: gap={gap!r}.")
     if concurrency is not None:
         _check_int(concurrency, "concurrency", 1)
+    if restart_stale is not None:
+        if restart_stale != "adaptive":
+            _check_int(restart_stale, "restart_stale", 1)
+        if outages or any(gaps.values()) or concurrency is not None:
+            raise ValueError(
+                "`restart_stale` simulates workers that compute all the time and restart on "
+                "fresh weights; it does not combine with `outages`, `gap` or `concurrency`. "
+                f"Received: restart_stale={restart_stale!r} with outages={outages or None!r}, "
+                f"gap={gap!r}, concurrency={concurrency!r}.")
+        return _restarting_schedule(workers, updates, duration, restart_stale)
     if concurrency is not None:
         return _limited_schedule(workers, updates, duration, outages, gaps, concurrency)
     finish = np.array([duration(w) for w in range(workers)])
@@ -171,6 +198,32 @@ def schedule(workers, updates, *, speed="lognormal", sigma=0.2, alpha=2.5, strag
             read_at[w] = version + 1
             finish[w] += duration(w)
     return Schedule(order, taus, times)
+
+
+def _restarting_schedule(workers, updates, duration, threshold):
+    """`schedule` whose workers are stopped and restart on fresh weights once
+    their computation's delay reaches the threshold (Ringmaster's stops)."""
+    order = np.empty(updates, dtype=np.int64)
+    taus = np.empty(updates, dtype=np.int64)
+    times = np.empty(updates)
+    finish = np.array([duration(w) for w in range(workers)])
+    read_at = np.zeros(workers, dtype=np.int64)
+    stopped = 0
+    for version in range(updates):
+        w = int(np.argmin(finish))
+        order[version], taus[version], times[version] = w, version - read_at[w], finish[w]
+        now, landed = finish[w], version + 1
+        read_at[w] = landed
+        finish[w] = now + duration(w)
+        # The next update is the (landed + 1)-th: whoever would land it with
+        # tau >= R stops now and starts again on these weights.
+        limit = (max(1, int(np.sqrt(landed + 1))) if threshold == "adaptive"
+                 else threshold)
+        for other in np.flatnonzero(landed - read_at >= limit):
+            read_at[other] = landed
+            finish[other] = now + duration(int(other))
+            stopped += 1
+    return Schedule(order, taus, times, stopped)
 
 
 def _limited_schedule(workers, updates, duration, outages, gaps, concurrency):
@@ -225,7 +278,8 @@ def _limited_schedule(workers, updates, duration, outages, gaps, concurrency):
 
 
 def fit(model, x, y, *, workers, epochs=1, batch_size=32, validation_data=None,
-        seed=0, local_steps=1, outer_optimizer=None, elastic=None, **schedule_kwargs):
+        seed=0, local_steps=1, outer_optimizer=None, elastic=None, dynamic_local_steps=False,
+        **schedule_kwargs):
     """Trains a compiled Keras model as N asynchronous workers would.
 
     Every update's gradient is computed with `Model.stateless_call` on the
@@ -259,8 +313,17 @@ def fit(model, x, y, *, workers, epochs=1, batch_size=32, validation_data=None,
             (EASGD): each worker's rounds start from its own weights, and a
             push moves them and the centre (the model) `elastic` of the way
             towards each other, with the centre as the worker read it.
+        dynamic_local_steps: Boolean. Dynamic local updates (DyLU; Liu et
+            al. 2024, eq. 6): each worker's rounds take
+            `max(1, floor(k * v_w / max_v))` steps for its speed `v_w`
+            (`1 / factor` of `stragglers`), so that slow workers push as
+            often as fast ones, with fewer steps. A push of `k_w` steps
+            takes `k_w / k` of a round's time. An epoch is still one pass
+            of batches; a push that does not fit in what is left of it goes
+            to the next. Defaults to `False`.
         **schedule_kwargs: `speed`, `sigma`, `alpha`, `stragglers`,
-            `outages`, `gap`, `concurrency` (see `schedule`).
+            `outages`, `gap`, `concurrency`, `restart_stale` (see
+            `schedule`).
 
     Returns:
         `(history, schedule)`: a dict of per-epoch lists (`loss`, and
@@ -284,13 +347,19 @@ def fit(model, x, y, *, workers, epochs=1, batch_size=32, validation_data=None,
     if steps_per_epoch < 1:
         raise ValueError(f"batch_size={batch_size} is larger than the {len(x)} samples.")
     _check_int(local_steps, "local_steps", 1)
+    if not isinstance(dynamic_local_steps, bool) or (dynamic_local_steps and local_steps < 2):
+        raise ValueError(
+            "`dynamic_local_steps` is True or False, and True needs local_steps >= 2 (each "
+            "worker's rounds take a share of them for its speed). Received: "
+            f"dynamic_local_steps={dynamic_local_steps!r}, local_steps={local_steps!r}.")
     if local_steps > 1 or outer_optimizer is not None or elastic is not None:
         from keras_dist.training.local_steps import check_elastic
 
         check_elastic(elastic, outer_optimizer)
         return _fit_local(model, x, y, workers=workers, epochs=epochs, batch_size=batch_size,
                           validation_data=validation_data, seed=seed, k=local_steps,
-                          outer=outer_optimizer, elastic=elastic, **schedule_kwargs)
+                          outer=outer_optimizer, elastic=elastic, dynamic=dynamic_local_steps,
+                          **schedule_kwargs)
     sched = schedule(workers, epochs * steps_per_epoch, seed=seed, **schedule_kwargs)
     optimizer = model.optimizer
     _set_workers(optimizer, workers)
@@ -322,23 +391,36 @@ def fit(model, x, y, *, workers, epochs=1, batch_size=32, validation_data=None,
         apply(grads, pulled, tau, worker)
         return loss
 
-    return _replay(model, sched, epochs, len(x), batch_size, steps_per_epoch, seed,
-                   validation_data, snapshot, run_update), sched
+    return _replay(model, sched, epochs, len(x), batch_size, steps_per_epoch, lambda w: 1,
+                   seed, validation_data, snapshot, run_update)
 
 
 def _fit_local(model, x, y, *, workers, epochs, batch_size, validation_data, seed, k, outer,
-               elastic=None, **schedule_kwargs):
-    """`fit` with local steps: each scheduled update is one push of k steps."""
+               elastic=None, dynamic=False, **schedule_kwargs):
+    """`fit` with local steps: each scheduled update is one push of k steps
+    (`dynamic`: k_w steps for worker w, DyLU)."""
     from keras_dist.training import update as update_lib
     from keras_dist.training.local_steps import check_optimizer, step_on_copy
 
     optimizer = model.optimizer
     check_optimizer(optimizer)
-    pushes_per_epoch = (len(x) // batch_size) // k
-    if pushes_per_epoch < 1:
+    steps_per_epoch = len(x) // batch_size
+    if steps_per_epoch // k < 1:
         raise ValueError(f"local_steps={k} batches of {batch_size} need more than the "
                          f"{len(x)} samples.")
-    sched = schedule(workers, epochs * pushes_per_epoch, seed=seed, **schedule_kwargs)
+    steps = {w: k for w in range(workers)}
+    if dynamic:
+        factors = _check_stragglers(schedule_kwargs.get("stragglers"), workers)
+        fastest = max(1.0 / factors.get(w, 1.0) for w in range(workers))
+        steps = {w: max(1, int(np.floor(k * (1.0 / factors.get(w, 1.0)) / fastest)))
+                 for w in range(workers)}
+        # A push of k_w steps takes k_w / k of a k-step round's time.
+        schedule_kwargs["stragglers"] = {w: factors.get(w, 1.0) * steps[w] / k
+                                         for w in range(workers)}
+        updates = epochs * -(-steps_per_epoch // min(steps.values()))  # enough for every epoch
+    else:
+        updates = epochs * (steps_per_epoch // k)
+    sched = schedule(workers, updates, seed=seed, **schedule_kwargs)
     variables = model.trainable_variables
     _set_workers(optimizer, workers)
     optimizer.build(variables)
@@ -347,10 +429,18 @@ def _fit_local(model, x, y, *, workers, epochs, batch_size, validation_data, see
         outer.build(variables)
     opt_vars = list(optimizer.variables)
 
-    @tf.function(reduce_retracing=True)
+    rounds = {}  # one compiled round per number of steps (k; DyLU: each k_w)
+
     def local_round(weights, opt_state, state, xs, ys, worker):
+        count = int(xs.shape[0])
+        if count not in rounds:
+            rounds[count] = tf.function(functools.partial(_round, count),
+                                        reduce_retracing=True)
+        return rounds[count](weights, opt_state, state, xs, ys, worker)
+
+    def _round(count, weights, opt_state, state, xs, ys, worker):
         losses = []
-        for j in range(k):
+        for j in range(count):
             with tf.GradientTape() as tape:
                 tape.watch(weights)
                 y_pred, state = model.stateless_call(weights, state, xs[j], training=True)
@@ -384,8 +474,8 @@ def _fit_local(model, x, y, *, workers, epochs, batch_size, validation_data, see
 
     def run_update(pulled_state, idx, tau, worker):
         pulled, pulled_opt = pulled_state
-        xs = x[idx].reshape((k, batch_size) + x.shape[1:])
-        ys = y[idx].reshape((k, batch_size) + y.shape[1:])
+        xs = x[idx].reshape((-1, batch_size) + x.shape[1:])
+        ys = y[idx].reshape((-1, batch_size) + y.shape[1:])
         state = [tf.identity(v.value) for v in model.non_trainable_variables]
         start = pulled
         if elastic is not None:
@@ -407,31 +497,39 @@ def _fit_local(model, x, y, *, workers, epochs, batch_size, validation_data, see
         push(delta, opt_delta, opt_state, pulled, tau, worker)
         return loss
 
-    return _replay(model, sched, epochs, len(x), k * batch_size, pushes_per_epoch, seed,
-                   validation_data, snapshot, run_update), sched
+    return _replay(model, sched, epochs, len(x), batch_size, steps_per_epoch,
+                   lambda w: steps[w], seed, validation_data, snapshot, run_update)
 
 
-def _replay(model, sched, epochs, samples, examples_per_update, updates_per_epoch, seed,
+def _replay(model, sched, epochs, samples, batch_size, steps_per_epoch, batches_of, seed,
             validation_data, snapshot, run_update):
     """Replays `sched`: each update runs `run_update(pulled, batch indices,
-    tau, worker)` on the state `snapshot()` took when its worker read the weights.
+    tau, worker)` on the state `snapshot()` took when its worker read the
+    weights, with the next `batches_of(worker)` batches of the epoch; an
+    epoch ends when the next update's batches do not fit in what is left of
+    it.
 
     Snapshots are kept in a ring by version, each until the last update
     computed on it has been applied: memory is bounded by the versions in
-    use (about N), not by the number of updates. Returns the history.
+    use (about N), not by the number of updates. Returns `(history, the
+    schedule's updates that ran, with their epoch ends)`.
     """
     read_version = np.arange(len(sched.staleness)) - sched.staleness
     last_use = {int(v): u for u, v in enumerate(read_version)}
     snapshots = {0: snapshot()}
     rng = np.random.default_rng(seed)
     history: Dict[str, list] = {"loss": []}
-    update = 0
+    update, ends = 0, []
     for _ in range(epochs):
         order = rng.permutation(samples)
-        losses = []
-        for i in range(updates_per_epoch):
+        losses, used = [], 0
+        while update < len(sched.staleness):
+            count = batches_of(int(sched.workers[update]))
+            if used + count > steps_per_epoch:
+                break
+            idx = order[used * batch_size:(used + count) * batch_size]
+            used += count
             version = int(read_version[update])
-            idx = order[i * examples_per_update:(i + 1) * examples_per_update]
             tau = tf.constant(int(sched.staleness[update]), tf.int64)
             worker = tf.constant(int(sched.workers[update]), tf.int32)
             losses.append(float(run_update(snapshots[version], idx, tau, worker)))
@@ -440,12 +538,16 @@ def _replay(model, sched, epochs, samples, examples_per_update, updates_per_epoc
             if update + 1 in last_use:
                 snapshots[update + 1] = snapshot()
             update += 1
+        ends.append(update)
         history["loss"].append(float(np.mean(losses)))
         if validation_data is not None:
             logs = model.evaluate(*validation_data, return_dict=True, verbose=0)
             for key, value in logs.items():
                 history.setdefault("val_" + key, []).append(float(value))
-    return history
+    used = slice(0, update)
+    ran = Schedule(sched.workers[used], sched.staleness[used], sched.times[used], sched.stopped,
+                   np.array(ends, dtype=np.int64))
+    return history, ran
 
 
 @dataclasses.dataclass
@@ -729,10 +831,12 @@ def _set_learning_rate(optimizer, value):
 def epoch_times(schedule, epochs):
     """The simulated time at the end of each epoch of a `fit` or `sync_fit` run.
 
-    For a `Schedule` that `fit` replayed, epoch e ends when its last update
-    lands: `schedule.times[(e + 1) * U - 1]`, with U = updates per epoch
-    (pushes with `local_steps`). For a `SyncSchedule` from `sync_fit`, when
-    the last update of its `epoch_ends[e]` is applied (0.0 when none was).
+    For a `Schedule` that `fit` returned, epoch e ends when its last update
+    lands (its `epoch_ends[e]`-th); for one without epoch ends (from
+    `schedule`), at `schedule.times[(e + 1) * U - 1]` with U = updates per
+    epoch (pushes with `local_steps`). For a `SyncSchedule` from `sync_fit`,
+    when the last update of its `epoch_ends[e]` is applied (0.0 when none
+    was).
     Pairs with the history's per-epoch lists, e.g. to plot accuracy against
     simulated time.
 
@@ -761,6 +865,11 @@ def epoch_times(schedule, epochs):
         if ends is None or len(ends) != epochs:
             raise ValueError(f"This SyncSchedule has {'no' if ends is None else len(ends)} "
                              f"epochs (sync_fit sets them; sync_schedule does not). "
+                             f"Received: epochs={epochs}.")
+    elif schedule.epoch_ends is not None:
+        ends = schedule.epoch_ends
+        if len(ends) != epochs:
+            raise ValueError(f"This Schedule has {len(ends)} epochs (fit set them). "
                              f"Received: epochs={epochs}.")
     else:
         updates = len(schedule.times)

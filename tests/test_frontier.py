@@ -230,3 +230,109 @@ def test_delayed_nesterov_learns_with_many_simulated_workers(digits):
                           for s in (0, 1)])
     assert delayed >= 0.8, delayed
     assert delayed > every_push + 0.3, (delayed, every_push)
+
+
+# ------------------------------------------- Ringmaster's stops, DyLU (simulated)
+def test_stopped_workers_restart_on_the_weights_of_the_moment_they_are_stopped():
+    """Three equal workers, R = 1: all finish together, worker 0 lands (tau
+    0) and the other two, now one update behind, restart on its weights;
+    so worker 0 lands every update, one per time unit, and 2 stops each."""
+    sched = simulate.schedule(3, 6, speed="constant", restart_stale=1)
+    assert sched.workers.tolist() == [0] * 6
+    assert sched.staleness.tolist() == [0] * 6
+    assert sched.times.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    assert sched.stopped == 12
+
+
+@pytest.mark.parametrize("threshold", [2, 8, "adaptive"])
+def test_with_stops_every_update_lands_below_the_threshold(threshold):
+    sched = simulate.schedule(32, 600, restart_stale=threshold, seed=4)
+    k = np.arange(1, 601)
+    limit = np.maximum(1, np.floor(np.sqrt(k))) if threshold == "adaptive" else threshold
+    assert np.all(sched.staleness < limit)
+    assert sched.stopped > 0 and sched.staleness.max() == np.max(limit) - 1 or (
+        threshold == "adaptive")
+    # Without stops, the same workers land updates up to ~2N stale.
+    assert simulate.schedule(32, 600, seed=4).staleness.max() >= 31
+
+
+def test_a_threshold_above_every_delay_stops_nothing():
+    plain = simulate.schedule(8, 200, seed=1)
+    stopping = simulate.schedule(8, 200, seed=1, restart_stale=1000)
+    assert stopping.stopped == 0
+    for a, b in zip((plain.workers, plain.staleness, plain.times),
+                    (stopping.workers, stopping.staleness, stopping.times)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_simulated_ringmaster_with_stops_drops_nothing(digits):
+    x, y = digits
+    opt = Ringmaster(keras.optimizers.SGD(0.1), threshold=3)
+    _, sched = simulate.fit(_mlp(opt), x, y, workers=8, seed=5, restart_stale=3)
+    assert sched.stopped > 0 and sched.staleness.max() <= 2
+    assert opt.staleness_logs()["dropped_updates"] == 0
+    assert int(opt.iterations.numpy()) == len(sched.staleness) == len(x) // 32
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"restart_stale": 0}, "`restart_stale` must be an integer >= 1. Received: restart_stale=0"),
+    ({"restart_stale": 2, "gap": 0.5}, "`restart_stale` .* does not combine with `outages`, "
+                                       "`gap` or `concurrency`"),
+    ({"restart_stale": 2, "concurrency": 2}, "does not combine"),
+])
+def test_bad_restart_stale(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        simulate.schedule(4, 10, **kwargs)
+
+
+def _mean_output_model(lr):
+    """A linear model whose loss, mean(x @ w), has gradient mean(x) whatever w."""
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras.layers.Dense(1, use_bias=False)(inputs))
+    model.compile(keras.optimizers.SGD(lr), lambda y_true, y_pred: keras.ops.mean(y_pred))
+    return model
+
+
+def test_dynamic_local_steps_give_each_worker_steps_in_proportion_to_its_speed():
+    """DyLU (Liu et al. 2024, eq. 6): speeds 1/2, 1/4 and 1 with k = 8 give
+    rounds of 4, 2 and 8 steps, which take equal time, so the three workers
+    push equally often (4:2:1 without it); every batch an epoch's pushes
+    took is applied once: the weights end at w0 - lr * (their gradients)."""
+    x = np.random.default_rng(0).normal(size=(32 * 40, 3)).astype("float32")
+    y = np.zeros((len(x), 1), "float32")
+    stragglers = {0: 2.0, 1: 4.0}
+    model = _mean_output_model(0.01)
+    w0 = model.weights[0].numpy().copy()
+    history, sched = simulate.fit(model, x, y, workers=3, epochs=3, local_steps=8, seed=7,
+                                  speed="constant", stragglers=stragglers,
+                                  dynamic_local_steps=True)
+    steps = {0: 4, 1: 2, 2: 8}
+    counts = np.bincount(sched.workers, minlength=3)
+    assert counts.max() - counts.min() <= 1, counts
+    _, fixed = simulate.fit(_mean_output_model(0.01), x, y, workers=3, epochs=3, local_steps=8,
+                            seed=7, speed="constant", stragglers=stragglers)
+    fixed_counts = np.bincount(fixed.workers, minlength=3)
+    assert fixed_counts[2] >= 3 * fixed_counts[1], fixed_counts
+    # The replay: each epoch's pushes take the next k_w batches of its
+    # permutation, until the next push does not fit in the 40 batches.
+    rng = np.random.default_rng(7)
+    change, start = np.zeros(3), 0
+    for end in sched.epoch_ends:
+        order, used = rng.permutation(len(x)), 0
+        for w in sched.workers[start:end]:
+            rows = order[used * 32:(used + steps[int(w)]) * 32]
+            change += x[rows].reshape(steps[int(w)], 32, 3).mean(axis=1).sum(axis=0)
+            used += steps[int(w)]
+        assert used <= 40 and used + min(steps.values()) > 40 - 8  # little left over
+        start = end
+    np.testing.assert_allclose(model.weights[0].numpy()[:, 0], w0[:, 0] - 0.01 * change,
+                               rtol=1e-4, atol=1e-5)
+    assert len(history["loss"]) == 3 and len(simulate.epoch_times(sched, 3)) == 3
+
+
+def test_dynamic_local_steps_needs_local_steps():
+    with pytest.raises(ValueError, match="`dynamic_local_steps` is True or False, and True "
+                                         "needs local_steps >= 2.*local_steps=1"):
+        simulate.fit(_mean_output_model(0.1), np.zeros((64, 3), "float32"),
+                     np.zeros((64, 1), "float32"), workers=2, dynamic_local_steps=True)

@@ -468,9 +468,15 @@ def test_epoch_times_of_an_asynchronous_run_are_its_last_updates_times():
     times = simulate.epoch_times(sched, 3)
     np.testing.assert_array_equal(times, sched.times[[11, 23, 35]])
     assert len(times) == len(history["loss"]) and np.all(np.diff(times) > 0)
-    with pytest.raises(ValueError, match="36 updates do not split into equal epochs. "
+    assert sched.epoch_ends.tolist() == [12, 24, 36]
+    with pytest.raises(ValueError, match=r"This Schedule has 3 epochs \(fit set them\). "
                                          "Received: epochs=5"):
         simulate.epoch_times(sched, 5)
+    bare = simulate.schedule(4, 36, seed=1)  # no epochs: equal ones, if they split
+    np.testing.assert_array_equal(simulate.epoch_times(bare, 3), times)
+    with pytest.raises(ValueError, match="36 updates do not split into equal epochs. "
+                                         "Received: epochs=5"):
+        simulate.epoch_times(bare, 5)
     with pytest.raises(ValueError, match="This SyncSchedule has no epochs"):
         simulate.epoch_times(simulate.sync_schedule(2, 4), 1)
 
