@@ -39,7 +39,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/stalled_worker.py
 	$(PY) benchmarks/preemption.py
 	$(VENV)/bin/keras-dist-run --workers 2 --ps 2 -- $(PY) benchmarks/ps_sharded.py
-	$(PY) benchmarks/staleness_convergence.py --workers 4,16,64,256
+	$(PY) benchmarks/staleness_convergence.py
 	$(PY) benchmarks/simulator_validation.py
 	$(PY) benchmarks/straggler.py
 	$(PY) benchmarks/straggler_detection.py

@@ -266,49 +266,53 @@ def staleness_convergence(lines):
     data = section(lines, "staleness_convergence", "## Accuracy under simulated staleness (`staleness_convergence.py`)")
     if data is None:
         return
-    if "results" not in data:
+    if "tasks" not in data:
         lines.append("Results from an older version of the benchmark: re-run it.\n")
         return
     counts = [str(n) for n in data["workers"]]
-    results = data["results"]
-    lines += [
-        f"Digits MLP, {data['epochs']} epochs of batch {data['batch']} for every method; each "
-        "method at the learning rate of its grid that is best on a validation split "
-        f"({data.get('sweep_seeds', 2)} seeds averaged), then test accuracy (%) over seeds "
-        f"{data['seeds']}: mean [min-max], and the rate (* on the grid's edge).\n",
-        "| method | " + " | ".join(f"N={n}" for n in counts) + " |",
-        "|---" * (1 + len(counts)) + "|",
-    ]
-    for name, by_n in results.items():
-        cells = []
-        for n in counts:
-            acc = [100 * a for a in by_n[n]["test"]]
-            cells.append(f"{sum(acc) / len(acc):.1f} [{min(acc):.1f}-{max(acc):.1f}] "
-                         f"lr {by_n[n]['learning_rate']:g}{'*' if by_n[n]['on_grid_edge'] else ''}")
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines.append("")
-    for n, v in data["verdict"].items():
-        lines.append(f"- N={n}: best asynchronous method {v['best_async']}, "
-                     f"{100 * v['accuracy']:.1f}%, {100 * v['gap_to_sequential']:.1f} points "
-                     f"below tuned sequential SGD ({100 * data['sequential']:.1f}%).")
-    lines.append("")
-    budget = data.get("budget")
-    if budget:
-        columns = [(e, n) for e in budget for n in next(iter(budget[e].values()))]
-        lines += [
-            "More examples for every method (sequential SGD included), each rate re-chosen on "
-            "validation among its 40-epoch choice x 1/3, 1, 3; test accuracy (%):\n",
-            "| method | " + " | ".join(f"{e} epochs, N={n}" for e, n in columns) + " |",
-            "|---" * (1 + len(columns)) + "|",
-        ]
-        for name in next(iter(budget.values())):
+    lines.append(f"{data['epochs']} epochs of batch {data['batch']} for every method; each "
+                 "method at the learning rate of its grid that is best on a validation split "
+                 f"({data['sweep_seeds']} seeds averaged), then test accuracy (%) over seeds "
+                 f"{data['seeds']}: mean [min-max], and the rate (* on the grid's edge). "
+                 f"The study took {data['seconds'] / 60:.0f} minutes.\n")
+    for task, result in data["tasks"].items():
+        lines += [f"### {task}\n", "| method | " + " | ".join(f"N={n}" for n in counts) + " |",
+                  "|---" * (1 + len(counts)) + "|"]
+        for name, by_n in result["results"].items():
             cells = []
-            for e, n in columns:
-                acc = [100 * a for a in budget[e][name][n]["test"]]
-                cells.append(f"{sum(acc) / len(acc):.1f} [{min(acc):.1f}-{max(acc):.1f}]")
+            for n in counts:
+                acc = [100 * a for a in by_n[n]["test"]]
+                cells.append(f"{sum(acc) / len(acc):.1f} [{min(acc):.1f}-{max(acc):.1f}] "
+                             f"lr {by_n[n]['learning_rate']:g}"
+                             f"{'*' if by_n[n]['on_grid_edge'] else ''}")
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         lines.append("")
-    plot(lines, "staleness_convergence.png", "accuracy against simulated workers")
+        for n, v in result["verdict"].items():
+            lines.append(f"- N={n}: best asynchronous method {v['best_async']}, "
+                         f"{100 * v['accuracy']:.1f}%, {100 * v['gap_to_sequential']:.1f} points "
+                         f"below tuned sequential SGD ({100 * result['sequential']:.1f}%); "
+                         f"sync SGD with momentum {100 * v['sync_momentum']:.1f}%.")
+        lines.append("")
+        timed = result.get("timed")
+        if timed:
+            workers = [str(n) for n in timed["workers"]]
+            lines += [
+                "Workers of Pareto-drawn speeds (shape 2.5), each method at the rate chosen "
+                "above: test accuracy (%); simulated time of the run; time to "
+                f"{100 * timed['target']:.1f}% on validation (one-batch step units):\n",
+                "| method | " + " | ".join(f"N={n}" for n in workers) + " |",
+                "|---" * (1 + len(workers)) + "|"]
+            for name, by_n in timed["methods"].items():
+                cells = []
+                for n in workers:
+                    r = by_n[n]
+                    reach = ("never" if r["time_to_target"] is None
+                             else f"{r['time_to_target']:.0f}")
+                    cells.append(f"{100 * sum(r['test']) / len(r['test']):.1f}; "
+                                 f"{r['time']:.0f}; {reach}")
+                lines.append(f"| {name} | " + " | ".join(cells) + " |")
+            lines.append("")
+    plot(lines, "staleness_convergence.png", "accuracy against simulated workers and time")
 
 
 def simulator_validation(lines):
