@@ -222,7 +222,8 @@ def variable_index(optimizer, variable):
     which indexes its slots (`_get_variable_index`).
 
     No public slot lookup exists. Used by the wrappers' slots in
-    `optimizers.dana`, `optimizers.dcasgd` and `optimizers.gap_aware`.
+    `optimizers.dana`, `optimizers.dcasgd`, `optimizers.gap_aware` and
+    `optimizers.delayed_nesterov`.
     """
     return optimizer._get_variable_index(variable)
 

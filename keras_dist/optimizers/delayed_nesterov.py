@@ -3,6 +3,7 @@
 import keras
 from keras import ops
 
+from keras_dist import _compat
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 from keras_dist.optimizers.base import check_workers, workers_of_strategy
 
@@ -109,7 +110,7 @@ class DelayedNesterov(keras.optimizers.Optimizer):
         dtype = variable.dtype
         learning_rate = ops.cast(learning_rate, dtype)
         gradient = ops.cast(gradient, dtype)
-        i = self._get_variable_index(variable)
+        i = _compat.variable_index(self, variable)
         m, buffer = self.momentums[i], self.buffers[i]
         n = float(self.workers)
         # 1.0 at every N-th push (t + 1 = N, 2N, ...), else 0.0.
