@@ -41,6 +41,7 @@ bench: $(STAMP)
 	$(VENV)/bin/keras-dist-run --workers 2 --ps 2 -- $(PY) benchmarks/ps_sharded.py
 	$(PY) benchmarks/staleness_convergence.py
 	$(PY) benchmarks/simulator_validation.py
+	$(PY) benchmarks/simulator_validation.py --optimizer ringmaster --output benchmarks/results/simulator_validation_ringmaster
 	$(PY) benchmarks/straggler.py
 	$(PY) benchmarks/straggler_detection.py
 	$(PY) benchmarks/report.py

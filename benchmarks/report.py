@@ -315,13 +315,14 @@ def staleness_convergence(lines):
     plot(lines, "staleness_convergence.png", "accuracy against simulated workers and time")
 
 
-def simulator_validation(lines):
-    data = section(lines, "simulator_validation",
-                   "## The simulator against real clusters (`simulator_validation.py`)")
+def simulator_validation(lines, name="simulator_validation", heading=""):
+    data = section(lines, name,
+                   f"## The simulator against real clusters (`simulator_validation.py`{heading})")
     if data is None:
         return
+    optimizer = data.get("optimizer", f"SGD({data['learning_rate']})")
     lines += [
-        f"Digits MLP, SGD({data['learning_rate']}), {data['epochs']} epochs, steps_per_execution "
+        f"Digits MLP, {optimizer}, {data['epochs']} epochs, steps_per_execution "
         f"1, on local clusters (chief, N workers, 1 ps), {data['repeats']} runs per setting; "
         f"`simulate.fit` with the profile measured in them, {data['sim_seeds']} seeds. Staleness "
         "after the first epoch; accuracy on the test digits.\n",
@@ -346,7 +347,7 @@ def simulator_validation(lines):
             f"{100 * sim['accuracy_mean']:.1f} | "
             + (", ".join(k for k, ok in row["agrees"].items() if ok) or "none") + " |")
     lines.append("")
-    plot(lines, "simulator_validation.png", "staleness, real against simulated")
+    plot(lines, f"{name}.png", "staleness, real against simulated")
 
 
 def straggler(lines):
@@ -440,6 +441,7 @@ def main():
     ps_sharded(lines)
     staleness_convergence(lines)
     simulator_validation(lines)
+    simulator_validation(lines, "simulator_validation_ringmaster", ", `--optimizer ringmaster`")
     straggler(lines)
     with open(os.path.join(DOCS, "benchmarks.md"), "w") as f:
         f.write("\n".join(lines))

@@ -45,6 +45,12 @@ _EPOCHS = flags.DEFINE_integer("epochs", 8, "Passes over the training digits.")
 _REPEATS = flags.DEFINE_integer("repeats", 2, "Real cluster runs per setting.")
 _SIM_SEEDS = flags.DEFINE_integer("sim_seeds", 5, "Simulated runs per setting.")
 _LR = flags.DEFINE_float("learning_rate", 0.1, "SGD learning rate (no momentum).")
+_OPTIMIZER = flags.DEFINE_enum(
+    "optimizer", "sgd", ["sgd", "delay_adaptive", "ringmaster"],
+    "What applies the updates, on the cluster and in the simulator alike: plain SGD, "
+    "DelayAdaptive(SGD) (N from the cluster / the simulation), or "
+    "Ringmaster(SGD, threshold='adaptive') (dropping on both sides: a cluster cannot stop "
+    "a step in flight).")
 _FACTOR = flags.DEFINE_float("factor", 3.0, "Slowdown of worker 0 in the slowed setting.")
 _OUTPUT = flags.DEFINE_string("output", "benchmarks/results/simulator_validation",
                               "Output path without extension.")
@@ -60,6 +66,24 @@ def build_model(keras, seed):
     inputs = keras.Input((64,))
     hidden = keras.layers.Dense(64, activation="relu")(inputs)
     return keras.Model(inputs, keras.layers.Dense(10, activation="softmax")(hidden))
+
+
+def make_optimizer(keras):
+    """The `--optimizer` around SGD(`--learning_rate`)."""
+    import keras_dist as kd
+
+    sgd = keras.optimizers.SGD(_LR.value)
+    if _OPTIMIZER.value == "delay_adaptive":
+        return kd.optimizers.DelayAdaptive(sgd)
+    if _OPTIMIZER.value == "ringmaster":
+        return kd.optimizers.Ringmaster(sgd, threshold="adaptive")
+    return sgd
+
+
+def optimizer_name():
+    return {"sgd": "SGD({lr})", "delay_adaptive": "DelayAdaptive(SGD({lr}))",
+            "ringmaster": "Ringmaster(SGD({lr}), threshold='adaptive')"}[
+        _OPTIMIZER.value].format(lr=_LR.value)
 
 
 def train(out_path):
@@ -92,7 +116,7 @@ def train(out_path):
 
     with strategy.scope():
         model = kd.AsyncModel.from_model(build_model(keras, _SEED.value))
-        model.compile(keras.optimizers.SGD(_LR.value), "sparse_categorical_crossentropy",
+        model.compile(make_optimizer(keras), "sparse_categorical_crossentropy",
                       metrics=["accuracy"])
     model.fit(x, y, batch_size=BATCH, epochs=_EPOCHS.value, steps_per_epoch=len(x) // BATCH,
               verbose=0, callbacks=[Records()])
@@ -109,7 +133,8 @@ def real_run(workers, slowed, seed, tmp):
         env["KERAS_DIST_SLOW_WORKER"] = f"0:{_FACTOR.value:g}"
     cmd = [sys.executable, "-m", "keras_dist.cluster.launch", "--workers", str(workers), "--ps", "1",
            "--", sys.executable, os.path.abspath(__file__), f"--train={out}",
-           f"--seed={seed}", f"--epochs={_EPOCHS.value}", f"--learning_rate={_LR.value}"]
+           f"--seed={seed}", f"--epochs={_EPOCHS.value}", f"--learning_rate={_LR.value}",
+           f"--optimizer={_OPTIMIZER.value}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(f"real run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}")
@@ -162,7 +187,7 @@ def simulated_run(workers, stragglers, gaps, sigma, seed, concurrency=None):
 
     (x, y), (x_test, y_test) = load_digits()
     model = build_model(keras, seed)
-    model.compile(keras.optimizers.SGD(_LR.value), "sparse_categorical_crossentropy")
+    model.compile(make_optimizer(keras), "sparse_categorical_crossentropy")
     _, sched = simulate.fit(model, x, y, workers=workers, epochs=_EPOCHS.value,
                             batch_size=BATCH, seed=seed, sigma=sigma, stragglers=stragglers,
                             gap=gaps, concurrency=concurrency)
@@ -232,7 +257,7 @@ def report(rows, seconds):
     from rich.table import Table
 
     table = Table(title=f"Real clusters vs keras_dist.simulate ({_EPOCHS.value} epochs, "
-                        f"SGD({_LR.value}), {_REPEATS.value} real runs, {_SIM_SEEDS.value} "
+                        f"{optimizer_name()}, {_REPEATS.value} real runs, {_SIM_SEEDS.value} "
                         "simulated)")
     for column in ("setting", "profile given", "tau mean real / sim (gap only; no gap)",
                    "tau p95 real / sim", "update share real / sim", "accuracy real / sim",
@@ -260,6 +285,7 @@ def report(rows, seconds):
     os.makedirs(os.path.dirname(_OUTPUT.value), exist_ok=True)
     with open(_OUTPUT.value + ".json", "w") as f:
         json.dump({"rows": rows, "epochs": _EPOCHS.value, "learning_rate": _LR.value,
+                   "optimizer": optimizer_name(),
                    "factor": _FACTOR.value, "repeats": _REPEATS.value,
                    "sim_seeds": _SIM_SEEDS.value, "seconds": seconds}, f, indent=1)
     plot(rows)
