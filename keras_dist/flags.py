@@ -42,14 +42,20 @@ STALENESS_WRAPPERS = {
     "dynsgd": "DynSGD",
     "dcasgd": "DCASGD",
     "gap_aware": "GapAware",
+    "delay_adaptive": "DelayAdaptive",
+    "ringmaster": "Ringmaster",
 }
 """`--staleness` short name -> class in `keras_dist.optimizers` (`none`: no wrapper)."""
+
+OUTER_OPTIMIZERS = ("nesterov", "delayed_nesterov")
+"""`--outer_optimizer` choices: a Nesterov `SGD`, or `DelayedNesterov`."""
 
 # Flag -> constructor argument, for the wrappers that take hyperparameters.
 _WRAPPER_ARGS = {
     "dcasgd": {"dcasgd_mode": "mode", "dcasgd_lambda": "lambda_", "dcasgd_lambda0": "lambda0",
                "dcasgd_momentum": "momentum", "dcasgd_epsilon": "epsilon"},
     "gap_aware": {"gap_aware_beta": "beta", "gap_aware_epsilon": "epsilon"},
+    "ringmaster": {"ringmaster_threshold": "threshold"},
 }
 
 GROUPS = {
@@ -57,7 +63,8 @@ GROUPS = {
     "nonfinite_updates": ("nonfinite_updates",),
     "staleness": ("staleness", "max_staleness") + tuple(
         name for args in _WRAPPER_ARGS.values() for name in args),
-    "local_steps": ("local_steps", "outer_learning_rate", "outer_momentum"),
+    "local_steps": ("local_steps", "outer_optimizer", "outer_learning_rate",
+                    "outer_momentum"),
     "straggler": ("straggler_threshold", "straggler_window", "straggler_action"),
     "metrics": ("tensorboard_dir", "per_replica_metrics"),
     "sharding": ("shard_min_bytes",),
@@ -81,7 +88,9 @@ def define_flags(flag_values=FLAGS, *, strategy=True, nonfinite_updates=True, st
     Bad values fail at parsing with absl's `IllegalFlagValueError`, which
     names the flag, the value and what is allowed; so does a wrapper's
     hyperparameter given for another wrapper (`--dcasgd_lambda` with
-    `--staleness=gap_aware`) or a straggler setting with the detector off.
+    `--staleness=gap_aware`), `--max_staleness` with `--staleness=ringmaster`
+    (both drop stale updates; use one) or a straggler setting with the
+    detector off.
 
     Args:
         flag_values: `absl.flags.FlagValues`. Defaults to `absl.flags.FLAGS`.
@@ -91,11 +100,14 @@ def define_flags(flag_values=FLAGS, *, strategy=True, nonfinite_updates=True, st
             or unset (the model's own setting, else `skip`).
         staleness: Boolean. `--staleness`: `none` or a wrapper of
             `STALENESS_WRAPPERS`; `--max_staleness` (unset: no limit) adds
-            `StalenessLimit` around it; the `--dcasgd_*` and `--gap_aware_*`
-            hyperparameters, with the wrappers' own defaults.
-        local_steps: Boolean. `--local_steps` (1), `--outer_learning_rate`
-            (1.0) and `--outer_momentum` (0.0, Nesterov): parameter servers
-            only, see `fit_kwargs`.
+            `StalenessLimit` around it (not with `ringmaster`, which drops
+            stale updates itself); the `--dcasgd_*` and `--gap_aware_*`
+            hyperparameters, with the wrappers' own defaults, and
+            `--ringmaster_threshold` (`adaptive`, or an integer >= 1).
+        local_steps: Boolean. `--local_steps` (1), `--outer_optimizer`
+            (`nesterov` or `delayed_nesterov`), `--outer_learning_rate`
+            (1.0) and `--outer_momentum` (0.0): parameter servers only, see
+            `fit_kwargs`.
         straggler: Boolean. `--straggler_threshold` (unset or 0: no
             detector), `--straggler_window`, `--straggler_action`.
         metrics: Boolean. `--tensorboard_dir` (unset: no TensorBoard) and
@@ -186,7 +198,7 @@ def wrap_optimizer(optimizer, flag_values=FLAGS):
 
     For `model.compile` inside the script's `build_model`. `--staleness`
     picks the wrapper (`none`: none), with its `--dcasgd_*` /
-    `--gap_aware_*` hyperparameters; `--max_staleness` adds
+    `--gap_aware_*` / `--ringmaster_threshold` hyperparameters; `--max_staleness` adds
     `StalenessLimit` outermost. With local steps or an outer optimizer (see
     `fit_kwargs`) a push is the update, so the wrapper goes around the outer
     optimizer instead and `optimizer` is returned unchanged.
@@ -229,13 +241,19 @@ def fit_kwargs(flag_values=FLAGS, *, strategy=None, cluster=None, callbacks=None
     - `strategy`: the `strategy` argument if given (e.g. what
       `strategy_from_flags` returned), else `--strategy`;
     - `nonfinite_updates`: when `--nonfinite_updates` is set;
-    - `local_steps`, and `outer_optimizer` when there is one: a Nesterov
+    - `local_steps`, and `outer_optimizer` when there is one. With
+      `--outer_optimizer=nesterov` (the default): a Nesterov
       `SGD(--outer_learning_rate, momentum=--outer_momentum)` when those
       differ from 1.0 and 0.0 (which just add each push), or when local
       steps and a staleness wrapper meet (the wrapper then goes around the
       outer optimizer, `SGD(1.0)` by default, and `wrap_optimizer` leaves the
-      model's optimizer plain, as local steps need). Building it creates
-      TensorFlow variables: pass `strategy` from `strategy_from_flags`;
+      model's optimizer plain, as local steps need). With
+      `--outer_optimizer=delayed_nesterov`: always
+      `DelayedNesterov(--outer_learning_rate, momentum=--outer_momentum)`
+      (N from the cluster), even at 1.0 and 0.0, where it still applies
+      each push at 1 / N; the paper's values are 0.7 and 0.9. Building it
+      creates TensorFlow variables: pass `strategy` from
+      `strategy_from_flags`;
     - `variable_partitioner`: with `--shard_min_bytes` and no `strategy`
       given, a `MinSizePartitioner` with one shard at most per `ps` task
       (`strategy_from_flags` builds it into the strategy otherwise);
@@ -300,11 +318,7 @@ def fit_kwargs(flag_values=FLAGS, *, strategy=None, cluster=None, callbacks=None
     if "local_steps" in flag_values:
         kwargs["local_steps"] = flag_values.local_steps
     if _outer_wanted(flag_values):
-        import keras
-
-        momentum = flag_values.outer_momentum
-        outer = keras.optimizers.SGD(flag_values.outer_learning_rate, momentum=momentum,
-                                     nesterov=momentum > 0)
+        outer = _outer(flag_values)
         kwargs["outer_optimizer"] = _wrap(outer, flag_values) if _wrapping(flag_values) \
             else outer
     if strategy is None and _value(flag_values, "shard_min_bytes", None) is not None:
@@ -329,8 +343,39 @@ def _wrapping(flag_values):
 def _outer_wanted(flag_values):
     if "local_steps" not in flag_values:
         return False
+    if flag_values.outer_optimizer != "nesterov":
+        return True  # DelayedNesterov differs from a plain push at any setting
     plain_push = (flag_values.outer_learning_rate == 1.0 and flag_values.outer_momentum == 0.0)
     return not plain_push or (flag_values.local_steps > 1 and _wrapping(flag_values))
+
+
+def _outer(flag_values):
+    """The outer optimizer `--outer_optimizer` names, not yet wrapped."""
+    learning_rate, momentum = flag_values.outer_learning_rate, flag_values.outer_momentum
+    if flag_values.outer_optimizer == "delayed_nesterov":
+        from keras_dist import optimizers
+
+        return optimizers.DelayedNesterov(learning_rate=learning_rate, momentum=momentum)
+    import keras
+
+    return keras.optimizers.SGD(learning_rate, momentum=momentum, nesterov=momentum > 0)
+
+
+_ADAPTIVE = "adaptive"  # keras_dist.optimizers.ringmaster.ADAPTIVE, without importing it
+
+
+def _ringmaster_threshold(value):
+    """`--ringmaster_threshold`'s text as `Ringmaster`'s threshold: an int or
+    "adaptive"; `None` where it is neither (an integer < 1 included)."""
+    if value == _ADAPTIVE:
+        return value
+    if isinstance(value, str) and value.isascii() and value.isdigit() and int(value) >= 1:
+        return int(value)
+    return None
+
+
+# Flag -> its parsed value as the wrapper's argument, where the two differ.
+_WRAPPER_ARG_TYPES = {"ringmaster_threshold": _ringmaster_threshold}
 
 
 def _wrap(optimizer, flag_values):
@@ -338,7 +383,7 @@ def _wrap(optimizer, flag_values):
 
     name = _value(flag_values, "staleness", "none")
     if name != "none":
-        args = {arg: getattr(flag_values, flag)
+        args = {arg: _WRAPPER_ARG_TYPES.get(flag, lambda v: v)(getattr(flag_values, flag))
                 for flag, arg in _WRAPPER_ARGS.get(name, {}).items()}
         optimizer = getattr(optimizers, STALENESS_WRAPPERS[name])(optimizer, **args)
     limit = _value(flag_values, "max_staleness", None)
@@ -464,15 +509,18 @@ def _define_nonfinite_updates(fv):
 def _define_staleness(fv):
     from keras_dist.optimizers import DCASGD, GapAware
     from keras_dist.optimizers.dcasgd import MODES
-
+    from keras_dist.optimizers.ringmaster import ADAPTIVE
     _define(fv, "enum", "staleness", "none",
             "Staleness-aware wrapper around the optimizer (asynchronous training): "
             "scaled g/max(tau,1), dynsgd g/(tau+1), dcasgd delay compensation, gap_aware "
-            "per-weight gap penalty (docs/staleness-aware-optimizers.md).",
+            "per-weight gap penalty, delay_adaptive g*N/max(N,tau) (N workers, from the "
+            "cluster), ringmaster ignores updates with tau >= --ringmaster_threshold "
+            "(docs/staleness-aware-optimizers.md).",
             enum_values=["none"] + list(STALENESS_WRAPPERS))
     _define(fv, "integer", "max_staleness", None,
             "Drop updates staler than this (StalenessLimit, outside the --staleness "
-            "wrapper); 2 x workers is a common choice. Unset: no limit.",
+            "wrapper; not with --staleness=ringmaster); 2 x workers is a common choice. "
+            "Unset: no limit.",
             lambda v: v is None or v >= 0,
             "must be an integer >= 0 (the largest tau still applied), or unset.")
     _define(fv, "enum", "dcasgd_mode", _signature_default(DCASGD, "mode"),
@@ -493,10 +541,31 @@ def _define_staleness(fv):
             ("gap_aware_epsilon", GapAware, "epsilon",
              "Gap-Aware: epsilon in eta_max * (sqrt(v) + epsilon).", _ABOVE_0)):
         _define(fv, "float", name, _signature_default(cls, argument), help_text, *check)
+    _define(fv, "string", "ringmaster_threshold", ADAPTIVE,
+            "Ringmaster: R, an integer >= 1 (updates with tau >= R are ignored; about the "
+            "number of workers is usual), or 'adaptive' (R = max(1, floor(sqrt(k))) at the "
+            "k-th update; use a decreasing learning rate with it).",
+            lambda v: _ringmaster_threshold(v) is not None,
+            "must be an integer >= 1 (updates with a delay tau >= it are ignored) or "
+            "'adaptive' (R = max(1, floor(sqrt(k))) at the k-th update).")
     for wrapper, names in _WRAPPER_ARGS.items():
         _needs(fv, "staleness", names, lambda value, wrapper=wrapper: value == wrapper,
                f"{STALENESS_WRAPPERS[wrapper]} hyperparameters, used only with "
                f"--staleness={wrapper}. Pass --staleness={wrapper} or leave them out.")
+
+    def one_limit(values):
+        # StalenessLimit(Ringmaster(...)) would fail at construction ("cannot wrap").
+        limit = values["max_staleness"]
+        if values["staleness"] == "ringmaster" and limit is not None:
+            raise absl_flags.ValidationError(
+                f"--max_staleness={limit} with --staleness=ringmaster: both drop stale "
+                "updates (StalenessLimit cannot wrap Ringmaster). Use one of them: "
+                f"--staleness=ringmaster --ringmaster_threshold={limit + 1} drops what "
+                f"--max_staleness={limit} does, or another --staleness with --max_staleness.")
+        return True
+
+    absl_flags.register_multi_flags_validator(["staleness", "max_staleness"], one_limit,
+                                              flag_values=fv)
 
 
 def _define_local_steps(fv):
@@ -505,11 +574,20 @@ def _define_local_steps(fv):
             "weights per push (Downpour / local SGD, docs/local-steps.md).",
             lambda v: v >= 1,
             "must be an integer >= 1 (1: every step updates the parameter servers).")
+    _define(fv, "enum", "outer_optimizer", OUTER_OPTIMIZERS[0],
+            "Parameter servers only: the outer optimizer that applies each push. nesterov: "
+            "SGD with Nesterov momentum (DiLoCo), none at --outer_learning_rate=1 "
+            "--outer_momentum=0 (the push is added as is); delayed_nesterov: "
+            "DelayedNesterov (Liu et al. 2024), each push at 1/N and the momentum updated "
+            "once every N pushes (N workers, from the cluster), at any setting; the "
+            "paper's setting is --outer_learning_rate=0.7 --outer_momentum=0.9.",
+            enum_values=list(OUTER_OPTIMIZERS))
     _define(fv, "float", "outer_learning_rate", 1.0,
-            "Parameter servers only: learning rate of the outer SGD that applies each "
-            "push (DiLoCo); 1.0 with --outer_momentum=0 adds the push as is.", *_ABOVE_0)
+            "Parameter servers only: learning rate of the outer optimizer that applies "
+            "each push (DiLoCo); 1.0 with --outer_momentum=0 adds the push as is "
+            "(--outer_optimizer=nesterov).", *_ABOVE_0)
     _define(fv, "float", "outer_momentum", 0.0,
-            "Parameter servers only: Nesterov momentum of the outer SGD.", *_FRACTION)
+            "Parameter servers only: momentum of the outer optimizer (Nesterov).", *_FRACTION)
 
 
 def _define_straggler(fv):

@@ -178,7 +178,10 @@ def test_no_tensor_before_the_strategy():
     ("--strategy=mirored", r"--strategy=mirored: value should be one of <auto\|default\|"
                            r"one_device\|mirrored\|multi_worker\|parameter_server>"),
     ("--staleness=dyn", r"--staleness=dyn: value should be one of "
-                        r"<none\|scaled\|dynsgd\|dcasgd\|gap_aware>"),
+                        r"<none\|scaled\|dynsgd\|dcasgd\|gap_aware\|delay_adaptive\|"
+                        r"ringmaster>"),
+    ("--outer_optimizer=adam", r"--outer_optimizer=adam: value should be one of "
+                               r"<nesterov\|delayed_nesterov>"),
     ("--nonfinite_updates=ignore", r"--nonfinite_updates=ignore: .*<skip\|raise>"),
     ("--dcasgd_mode=fast", r"--dcasgd_mode=fast: .*<constant\|adaptive>"),
     ("--straggler_action=stop", r"--straggler_action=stop: .*<warn\|raise>"),
@@ -205,6 +208,25 @@ def test_bad_value_names_flag_value_and_choices(arg, message):
      r"Received: --staleness=gap_aware"),
     (["--gap_aware_beta=0.9"], r"--gap_aware_beta: GapAware hyperparameters.*"
                                r"Received: --staleness=none"),
+    (["--staleness=ringmaster", "--ringmaster_threshold=0"],
+     r"--ringmaster_threshold=0: must be an integer >= 1 .* or 'adaptive'"),
+    (["--staleness=ringmaster", "--ringmaster_threshold=-3"],
+     r"--ringmaster_threshold=-3: must be an integer >= 1"),
+    (["--staleness=ringmaster", "--ringmaster_threshold=2.5"],
+     r"--ringmaster_threshold=2.5: must be an integer >= 1"),
+    (["--staleness=ringmaster", "--ringmaster_threshold=Adaptive"],
+     r"--ringmaster_threshold=Adaptive: must be an integer >= 1"),
+    (["--ringmaster_threshold=4"], r"--ringmaster_threshold: Ringmaster hyperparameters, "
+                                   r"used only with --staleness=ringmaster.*"
+                                   r"Received: --staleness=none"),
+    (["--staleness=dynsgd", "--ringmaster_threshold=adaptive"],
+     r"--ringmaster_threshold: Ringmaster hyperparameters.*Received: --staleness=dynsgd"),
+    (["--staleness=ringmaster", "--max_staleness=8"],
+     r"--max_staleness=8 with --staleness=ringmaster: both drop stale updates .*"
+     r"Use one of them: --staleness=ringmaster --ringmaster_threshold=9 drops what "
+     r"--max_staleness=8 does"),
+    (["--staleness=ringmaster", "--ringmaster_threshold=3", "--max_staleness=0"],
+     r"--max_staleness=0 with --staleness=ringmaster: .*--ringmaster_threshold=1 "),
     (["--straggler_window=10", "--straggler_action=raise"],
      r"--straggler_window, --straggler_action: StragglerDetector settings, but the "
      r"detector is off.*--straggler_threshold"),
@@ -234,6 +256,10 @@ def test_unparsed_flags_are_not_read():
     (["--staleness=gap_aware"], kd.optimizers.GapAware, {"beta": 0.999, "epsilon": 1e-8}),
     (["--staleness=gap_aware", "--gap_aware_beta=0.99", "--gap_aware_epsilon=1e-6"],
      kd.optimizers.GapAware, {"beta": 0.99, "epsilon": 1e-6}),
+    (["--staleness=delay_adaptive"], kd.optimizers.DelayAdaptive, {"workers": None}),
+    (["--staleness=ringmaster"], kd.optimizers.Ringmaster, {"threshold": "adaptive"}),
+    (["--staleness=ringmaster", "--ringmaster_threshold=6"], kd.optimizers.Ringmaster,
+     {"threshold": 6}),
 ])
 def test_each_wrapper_with_its_parameters(args, cls, config):
     opt = kd_flags.wrap_optimizer(sgd(), parsed(*args))
@@ -248,9 +274,54 @@ def test_each_wrapper_with_its_parameters(args, cls, config):
 
 
 def test_every_wrapper_name_is_covered():
-    assert set(kd_flags.STALENESS_WRAPPERS) == {"scaled", "dynsgd", "dcasgd", "gap_aware"}
+    assert set(kd_flags.STALENESS_WRAPPERS) == {"scaled", "dynsgd", "dcasgd", "gap_aware",
+                                                "delay_adaptive", "ringmaster"}
     for name, cls_name in kd_flags.STALENESS_WRAPPERS.items():
         assert cls_name in kd.optimizers.__all__
+
+
+def test_new_wrapper_flags_defaults():
+    fv = parsed()
+    assert fv.ringmaster_threshold == "adaptive" and fv.outer_optimizer == "nesterov"
+    assert "ringmaster_threshold" in kd_flags.GROUPS["staleness"]
+    assert "outer_optimizer" in kd_flags.GROUPS["local_steps"]
+
+
+def test_delay_adaptive_takes_its_workers_from_the_cluster():
+    opt = kd_flags.wrap_optimizer(sgd(), parsed("--staleness=delay_adaptive"))
+    assert type(opt) is kd.optimizers.DelayAdaptive
+    assert opt.workers is None  # N: the cluster's worker count, when built
+    assert type(opt.inner_optimizer) is keras.optimizers.SGD
+    # Not in the "limit" family: --max_staleness goes around it as around the others.
+    limited = kd_flags.wrap_optimizer(sgd(), parsed("--staleness=delay_adaptive",
+                                                    "--max_staleness=8"))
+    assert type(limited) is kd.optimizers.StalenessLimit and limited.max_staleness == 8
+    assert type(limited.inner_optimizer) is kd.optimizers.DelayAdaptive
+
+
+@pytest.mark.parametrize("value, threshold", [
+    (None, "adaptive"), ("adaptive", "adaptive"), ("1", 1), ("12", 12), ("007", 7)])
+def test_ringmaster_threshold_becomes_an_int_or_adaptive(value, threshold):
+    args = ["--staleness=ringmaster"] + (
+        [] if value is None else [f"--ringmaster_threshold={value}"])
+    opt = kd_flags.wrap_optimizer(sgd(), parsed(*args))
+    assert type(opt) is kd.optimizers.Ringmaster
+    assert opt.threshold == threshold and type(opt.threshold) is type(threshold)
+    assert type(opt.inner_optimizer) is keras.optimizers.SGD
+
+
+def test_max_staleness_with_ringmaster_is_refused_by_value_not_presence():
+    # What the flag error prevents: the two limits cannot nest.
+    with pytest.raises(ValueError, match="StalenessLimit cannot wrap Ringmaster"):
+        kd.optimizers.StalenessLimit(kd.optimizers.Ringmaster(sgd(), threshold=4),
+                                     max_staleness=8)
+    # A script's own default for --max_staleness is refused too, at parsing.
+    fv = flags.FlagValues()
+    kd_flags.define_flags(fv)
+    fv.set_default("max_staleness", 5)
+    with pytest.raises(flags.IllegalFlagValueError,
+                       match="--max_staleness=5 with --staleness=ringmaster"):
+        fv(["train.py", "--staleness=ringmaster"])
 
 
 def test_max_staleness_wraps_outermost():
@@ -297,6 +368,53 @@ def test_outer_learning_rate_and_momentum_make_a_nesterov_outer_sgd():
     wrapped = kd_flags.fit_kwargs(parsed("--outer_learning_rate=0.5", "--staleness=scaled"))
     assert type(wrapped["outer_optimizer"]) is kd.optimizers.StalenessScaled
     assert wrapped["local_steps"] == 1
+
+
+def test_outer_optimizer_nesterov_is_the_default_behaviour():
+    # Given explicitly, `nesterov` changes nothing: no outer optimizer at 1.0 / 0.0 ...
+    for args in ([], ["--outer_optimizer=nesterov"]):
+        kwargs = kd_flags.fit_kwargs(parsed("--local_steps=4", *args))
+        assert "outer_optimizer" not in kwargs
+        outer = kd_flags.fit_kwargs(parsed("--outer_momentum=0.5", *args))["outer_optimizer"]
+        assert type(outer) is keras.optimizers.SGD
+        assert (float(outer.learning_rate), outer.momentum, outer.nesterov) == (1.0, 0.5, True)
+
+
+@pytest.mark.parametrize("args, learning_rate, momentum", [
+    ([], 1.0, 0.0),  # the flags' defaults: still an outer optimizer (pushes at 1 / N)
+    (["--outer_learning_rate=0.7", "--outer_momentum=0.9"], 0.7, 0.9),
+    (["--local_steps=8", "--outer_momentum=0.3"], 1.0, 0.3),
+])
+def test_outer_optimizer_delayed_nesterov(args, learning_rate, momentum):
+    fv = parsed("--outer_optimizer=delayed_nesterov", *args)
+    original = sgd()
+    assert kd_flags.wrap_optimizer(original, fv) is original
+    kwargs = kd_flags.fit_kwargs(fv)
+    outer = kwargs["outer_optimizer"]
+    assert type(outer) is kd.optimizers.DelayedNesterov
+    assert float(outer.learning_rate) == pytest.approx(learning_rate)
+    assert outer.momentum == momentum
+    assert outer.workers is None and outer.c == 0.0  # N from the cluster, the paper's c
+    assert kwargs["local_steps"] == fv.local_steps
+
+
+def test_delayed_nesterov_goes_inside_the_staleness_wrapper():
+    fv = parsed("--local_steps=4", "--outer_optimizer=delayed_nesterov",
+                "--outer_learning_rate=0.7", "--outer_momentum=0.9",
+                "--staleness=ringmaster", "--ringmaster_threshold=3")
+    original = sgd()
+    assert kd_flags.wrap_optimizer(original, fv) is original
+    outer = kd_flags.fit_kwargs(fv)["outer_optimizer"]
+    assert type(outer) is kd.optimizers.Ringmaster and outer.threshold == 3
+    inner = outer.inner_optimizer
+    assert type(inner) is kd.optimizers.DelayedNesterov
+    assert (float(inner.learning_rate), inner.momentum) == (pytest.approx(0.7), 0.9)
+    limited = kd_flags.fit_kwargs(parsed("--outer_optimizer=delayed_nesterov",
+                                         "--staleness=delay_adaptive", "--max_staleness=6"))
+    outer = limited["outer_optimizer"]
+    assert type(outer) is kd.optimizers.StalenessLimit and outer.max_staleness == 6
+    assert type(outer.inner_optimizer) is kd.optimizers.DelayAdaptive
+    assert type(outer.inner_optimizer.inner_optimizer) is kd.optimizers.DelayedNesterov
 
 
 # ----------------------------------------------------------------- fit_kwargs
