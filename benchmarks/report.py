@@ -299,17 +299,18 @@ def staleness_convergence(lines):
             lines += [
                 "Workers of Pareto-drawn speeds (shape 2.5), each method at the rate chosen "
                 "above: test accuracy (%); simulated time of the run; time to "
-                f"{100 * timed['target']:.1f}% on validation (one-batch step units):\n",
+                f"{100 * timed['target']:.1f}% on validation; time to synchronous SGD with "
+                "momentum's final validation accuracy (one-batch step units; -: never):\n",
                 "| method | " + " | ".join(f"N={n}" for n in workers) + " |",
                 "|---" * (1 + len(workers)) + "|"]
             for name, by_n in timed["methods"].items():
                 cells = []
                 for n in workers:
                     r = by_n[n]
-                    reach = ("never" if r["time_to_target"] is None
-                             else f"{r['time_to_target']:.0f}")
+                    reach = "-" if r["time_to_target"] is None else f"{r['time_to_target']:.0f}"
+                    sync = "-" if r.get("time_to_sync") is None else f"{r['time_to_sync']:.0f}"
                     cells.append(f"{100 * sum(r['test']) / len(r['test']):.1f}; "
-                                 f"{r['time']:.0f}; {reach}")
+                                 f"{r['time']:.0f}; {reach}; {sync}")
                 lines.append(f"| {name} | " + " | ".join(cells) + " |")
             lines.append("")
     plot(lines, "staleness_convergence.png", "accuracy against simulated workers and time")
