@@ -84,6 +84,8 @@ METHODS = {
     "DelayAdaptive": ("async", {"wrapper": "DelayAdaptive"}, GRID),
     "DelayAdaptive(DANA)": ("async", {"wrapper": "DelayAdaptive(DANA)"}, SLOW),
     "Ringmaster (adaptive R, stops)": ("async", {"wrapper": "Ringmaster", "stops": True}, GRID),
+    "Ringmaster(DANA) (adaptive R, stops)": (
+        "async", {"wrapper": "Ringmaster(DANA)", "stops": True}, SLOW),
     "async local SGD k=4, DelayedNesterov": ("async", {"local": LOCAL_STEPS}, GRID),
 }
 # Only where workers differ in speed: DyLU gives each its share of k.
@@ -117,6 +119,9 @@ def optimizer(options, lr):
         return kd.optimizers.DelayAdaptive(kd.optimizers.DANA(sgd, momentum=MOMENTUM))
     if wrapper == "Ringmaster":
         return kd.optimizers.Ringmaster(sgd, threshold="adaptive")
+    if wrapper == "Ringmaster(DANA)":
+        return kd.optimizers.Ringmaster(kd.optimizers.DANA(sgd, momentum=MOMENTUM),
+                                        threshold="adaptive")
     return sgd
 
 
