@@ -464,12 +464,16 @@ def plot(report):
     tasks = list(report["tasks"])
     fig, axes = plt.subplots(len(tasks), 2, figsize=(13, 4.6 * len(tasks)), squeeze=False)
     counts = report["workers"]
+    names = list(METHODS) + list(TIME_ONLY)
+    palette = plt.get_cmap("tab20")
+    color = {name: palette(i % 20) for i, name in enumerate(names)}  # one per method
     for row, task in zip(axes, tasks):
         data = report["tasks"][task]
         for name, by_n in data["results"].items():
             mean = [100 * statistics.mean(by_n[str(n)]["test"]) for n in counts]
             dashed = METHODS[name][0] != "async"
-            row[0].plot(counts, mean, marker="o", label=name, linestyle="--" if dashed else "-")
+            row[0].plot(counts, mean, marker="o", label=name, color=color[name],
+                        linestyle="--" if dashed else "-")
         row[0].set_xscale("log", base=2)
         row[0].set_xticks(counts, [str(n) for n in counts])
         row[0].set_xlabel("simulated workers N (equal speeds)")
@@ -482,6 +486,7 @@ def plot(report):
             for name, by_n in timed["methods"].items():
                 r = by_n[n]
                 row[1].plot(r["times"], [100 * a for a in r["val_curve"]], label=name,
+                            color=color[name],
                             linestyle="--" if name.startswith("sync") else "-")
             row[1].axhline(100 * timed["target"], color="grey", linewidth=0.8)
             row[1].set_xscale("log")

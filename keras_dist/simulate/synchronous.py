@@ -163,8 +163,11 @@ def sync_fit(model, x, y, *, workers, backup=0, epochs=1, batch_size=32, validat
             `"linear"`.
         warmup: Float in [0, 1]. Fraction of the updates (at least one when
             above 0) over which the rate ramps up. Defaults to `0.1`.
-        speed, sigma, alpha, stragglers: the speed model (see
-            `sync_schedule`).
+        speed: String. The step-time model, as `sync_schedule`'s.
+        sigma: Float. Log-normal spread, as `sync_schedule`'s.
+        alpha: Float. Pareto shape, as `sync_schedule`'s.
+        stragglers: Dict or `None`. Worker index (in `[0, N + b)`) to
+            slowdown factor, as `sync_schedule`'s.
 
     Returns:
         `(history, schedule)`: a dict of per-epoch lists and the

@@ -65,8 +65,8 @@ class SyncExecutor(driver.Executor):
     2
     """
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, model, plan):
+        super().__init__(model, plan)
         self._train_fns = self._eval_fns = None
         self._iterator = None
         self._start = 0  # the step the next epoch starts at (a resumed one: > 0)
