@@ -8,7 +8,9 @@ worker pulled when it started, and applied (through any keras_dist
 staleness-aware wrapper) when that worker finishes.
 
 What it models: the order of updates, each update's staleness, slow
-workers, and workers that stop and come back. What it does not model:
+workers (persistently, or per step from a heavy-tailed law), workers that
+stop and come back, computations stopped for being stale (Ringmaster),
+and synchronous steps that drop their slowest workers (backup workers). What it does not model:
 network bandwidth and latency, parameter-server load, or the time the
 updates themselves take. Deterministic for a given seed.
 
@@ -16,7 +18,8 @@ Where each part lives: `async_schedule` (`Schedule`, `schedule`: the order
 and staleness of asynchronous updates, and the speed model), `replay`
 (`fit`: training a model along a `Schedule`; `epoch_times`), and
 `synchronous` (`SyncSchedule`, `sync_schedule`, `sync_fit`: synchronous SGD
-with backup workers). Import them from here: `from keras_dist import
+with backup workers), and `steps` (the gradient step both trainings
+compute). Import them from here: `from keras_dist import
 simulate`.
 """
 

@@ -12,6 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
+from keras_dist.simulate import steps as steps_lib
 from keras_dist.simulate.async_schedule import Schedule, _check_int, _check_stragglers, schedule
 from keras_dist.simulate.synchronous import SyncSchedule
 
@@ -105,14 +106,7 @@ def fit(model, x, y, *, workers, epochs=1, batch_size=32, validation_data=None,
     optimizer.build(model.trainable_variables)
     variables = model.trainable_variables
 
-    @tf.function(reduce_retracing=True)
-    def loss_and_grads(weights, state, xb, yb):
-        with tf.GradientTape() as tape:
-            tape.watch(weights)
-            y_pred, new_state = model.stateless_call(weights, state, xb, training=True)
-            loss = model.compute_loss(x=xb, y=yb, y_pred=y_pred, training=True)
-            scaled = optimizer.scale_loss(loss)  # a LossScaleOptimizer unscales in apply
-        return loss, tape.gradient(scaled, weights), new_state
+    loss_and_grads = steps_lib.loss_and_grads(model, optimizer)
 
     @tf.function(reduce_retracing=True)
     def apply(grads, pulled, tau, worker):

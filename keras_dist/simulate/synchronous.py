@@ -11,6 +11,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
+from keras_dist.simulate import steps as steps_lib
 from keras_dist.simulate.async_schedule import _check_int, _check_stragglers, _step_time_sampler
 
 
@@ -233,14 +234,7 @@ def sync_fit(model, x, y, *, workers, backup=0, epochs=1, batch_size=32, validat
     ramp = 0 if warmup == 0 else max(1, int(np.floor(warmup * updates + 1e-9)))
     set_rate = lr_scaling != "none" or ramp > 0
 
-    @tf.function(reduce_retracing=True)
-    def loss_and_grads(weights, state, xb, yb):
-        with tf.GradientTape() as tape:
-            tape.watch(weights)
-            y_pred, new_state = model.stateless_call(weights, state, xb, training=True)
-            loss = model.compute_loss(x=xb, y=yb, y_pred=y_pred, training=True)
-            scaled = optimizer.scale_loss(loss)  # a LossScaleOptimizer unscales in apply
-        return loss, tape.gradient(scaled, weights), new_state
+    loss_and_grads = steps_lib.loss_and_grads(model, optimizer)
 
     @tf.function(reduce_retracing=True)
     def apply(grads):
