@@ -17,8 +17,6 @@ and `--window` are short for `--straggler_threshold` and `--straggler_window`.
 
 import os
 
-import logging
-
 from absl import app
 from absl import flags
 
@@ -59,8 +57,6 @@ def build_model():
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
-    # absl's app.run turns INFO logging on; TensorFlow's INFO lines drown ours.
-    logging.getLogger("tensorflow").setLevel(logging.WARNING)
     if _SLOW.value:
         os.environ[kd.testing.SLOW_WORKER_ENV] = _SLOW.value
         kd.testing.slow_workers_from_env()  # a bad --slow fails here, clearly

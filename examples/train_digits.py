@@ -24,8 +24,6 @@ As one of two workers (run once per index, each in its own shell):
         python examples/train_digits.py
 """
 
-import logging
-
 from absl import app
 from absl import flags
 
@@ -68,8 +66,6 @@ def build_model():
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
-    # absl's app.run turns INFO logging on; TensorFlow's INFO lines drown ours.
-    logging.getLogger("tensorflow").setLevel(logging.WARNING)
     # First, before any TensorFlow op: see the module docstring.
     strategy = kd_flags.strategy_from_flags()
 

@@ -10,10 +10,15 @@ change the training without touching the script. docs/flags.md has a whole
 script and the table of flags; `examples/train_digits.py` is one.
 
 With every flag at its default, `fit_kwargs()` gives `kd.fit`'s own defaults.
-Importing this module imports neither TensorFlow nor Keras; `define_flags`
-does (it takes the strategy names and the wrappers' defaults from where they
-are defined), and nothing here creates a tensor before `strategy_from_flags`,
-so MultiWorkerMirroredStrategy can still be created first.
+Neither importing this module nor `define_flags` imports TensorFlow or Keras,
+so a script's `--help` answers at once: the strategy names and the wrappers'
+defaults are kept here as constants (`tests/test_flags.py` checks them against
+`kd.StrategyKind` and the constructors). TensorFlow comes with the three calls
+that build things, and nothing here creates a tensor before
+`strategy_from_flags`, so MultiWorkerMirroredStrategy can still be created
+first. Those calls also quiet TensorFlow's Python INFO logs, which absl's
+`app.run` turns on, unless the user asked for them with `--verbosity` / `-v`
+(see `_quiet_tensorflow`).
 
 Example:
 
@@ -28,6 +33,7 @@ Example:
 """
 
 import inspect
+import logging
 import os
 import sys
 
@@ -49,6 +55,22 @@ STALENESS_WRAPPERS = {
 
 OUTER_OPTIMIZERS = ("nesterov", "delayed_nesterov")
 """`--outer_optimizer` choices: a Nesterov `SGD`, or `DelayedNesterov`."""
+
+# What the flags take from classes that import TensorFlow, copied here so that
+# defining the flags imports none of them; tests/test_flags.py checks each
+# against its source (`test_define_time_constants_match_their_sources`).
+_STRATEGY_KINDS = ("default", "one_device", "mirrored", "multi_worker", "parameter_server")
+"""`kd.StrategyKind`'s values, in its order."""
+_NONFINITE_MODES = ("skip", "raise")  # keras_dist.training.nonfinite.MODES
+_DCASGD_MODES = ("constant", "adaptive")  # keras_dist.optimizers.dcasgd.MODES
+_DEFAULTS = {
+    "DCASGD": {"mode": "constant", "lambda_": 0.04, "lambda0": 2.0, "momentum": 0.95,
+               "epsilon": 1e-7},
+    "GapAware": {"beta": 0.999, "epsilon": 1e-8},
+    "StragglerDetector": {"threshold": 0.2, "window": 100, "action": "warn"},
+    "BackupAndRestore": {"grace_period": 30.0},
+}
+"""Class name -> constructor argument -> its default."""
 
 # Flag -> constructor argument, for the wrappers that take hyperparameters.
 _WRAPPER_ARGS = {
@@ -186,6 +208,7 @@ def strategy_from_flags(flag_values=FLAGS, *, cluster=None):
         ValueError: see `kd.resolve_strategy`; also `--shard_min_bytes`
             without parameter servers.
     """
+    _quiet_tensorflow()
     from keras_dist.cluster import strategy as strategy_lib
 
     return strategy_lib.resolve_strategy(
@@ -226,6 +249,7 @@ def wrap_optimizer(optimizer, flag_values=FLAGS):
     >>> type(opt.inner_optimizer).__name__, opt.inner_optimizer.mode
     ('DCASGD', 'adaptive')
     """
+    _quiet_tensorflow()
     if _outer_wanted(flag_values) or not _wrapping(flag_values):
         return optimizer
     import keras
@@ -308,6 +332,7 @@ def fit_kwargs(flag_values=FLAGS, *, strategy=None, cluster=None, callbacks=None
         raise TypeError(
             "`callbacks` must be a list of Keras callbacks (it is combined with the "
             f"flags' callbacks). Received: callbacks={callbacks!r}.")
+    _quiet_tensorflow()
     if isinstance(cluster, dict):
         cluster = _cluster(cluster)
     kwargs = {}
@@ -330,6 +355,29 @@ def fit_kwargs(flag_values=FLAGS, *, strategy=None, cluster=None, callbacks=None
 
 
 # ------------------------------------------------------------------ building
+def _quiet_tensorflow():
+    """Sets the "tensorflow" logger to WARNING, unless the user chose its level.
+
+    absl's `app.run` hands Python logging to absl at `--verbosity`, which is
+    INFO (0) by default, and TensorFlow's INFO lines ("Reduce to
+    /device:CPU:0 then broadcast to ...", one per variable) drown the
+    script's own. Only then does this act: under `app.run` (absl's handler
+    is on the root logger), with no `--verbosity` / `-v` on the command
+    line (given, TensorFlow's logs follow it: `-v 0` brings its INFO lines
+    back), and with the "tensorflow" logger's level still unset (a level the
+    script set stays).
+    """
+    from absl import logging as absl_logging
+
+    if absl_logging.get_absl_handler() not in logging.root.handlers:
+        return  # not under app.run: Python's own WARNING default holds
+    if "verbosity" in FLAGS and FLAGS["verbosity"].present:
+        return
+    logger = logging.getLogger("tensorflow")
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.WARNING)
+
+
 def _value(flag_values, name, default):
     """The parsed value of `name`, or `default` where its group is not defined."""
     return getattr(flag_values, name) if name in flag_values else default
@@ -452,10 +500,6 @@ def _defined_here(flag_values, name):
     return name in flag_values and flag_values.find_module_defining_flag(name) == __name__
 
 
-def _signature_default(cls, argument):
-    return inspect.signature(cls.__init__).parameters[argument].default
-
-
 def _validate(flag_values, name, check, rule):
     """Registers `check(value)`; absl's error reads `flag --name=value: rule`."""
     absl_flags.register_validator(name, check, message=rule, flag_values=flag_values)
@@ -489,27 +533,20 @@ _FRACTION = (lambda v: 0 <= v < 1, "must be in the range [0, 1).")
 
 
 def _define_strategy(fv):
-    from keras_dist.cluster.strategy import StrategyKind
-
     _define(fv, "enum", "strategy", "auto",
             "tf.distribute strategy. 'auto' decides by KERAS_DIST_STRATEGY, then the "
             "cluster (TF_CONFIG / SLURM), then the local GPUs (docs/choosing-a-strategy.md).",
-            enum_values=["auto"] + [kind.value for kind in StrategyKind])
+            enum_values=["auto", *_STRATEGY_KINDS])
 
 
 def _define_nonfinite_updates(fv):
-    from keras_dist.training.nonfinite import MODES
-
     _define(fv, "enum", "nonfinite_updates", None,
             "What keras_dist's own loops do with an update whose gradients are NaN or Inf: "
             "skip and count it, or raise. Unset: the model's setting, else skip.",
-            enum_values=list(MODES))
+            enum_values=list(_NONFINITE_MODES))
 
 
 def _define_staleness(fv):
-    from keras_dist.optimizers import DCASGD, GapAware
-    from keras_dist.optimizers.dcasgd import MODES
-    from keras_dist.optimizers.ringmaster import ADAPTIVE
     _define(fv, "enum", "staleness", "none",
             "Staleness-aware wrapper around the optimizer (asynchronous training): "
             "scaled g/max(tau,1), dynsgd g/(tau+1), dcasgd delay compensation, gap_aware "
@@ -523,25 +560,25 @@ def _define_staleness(fv):
             "Unset: no limit.",
             lambda v: v is None or v >= 0,
             "must be an integer >= 0 (the largest tau still applied), or unset.")
-    _define(fv, "enum", "dcasgd_mode", _signature_default(DCASGD, "mode"),
+    _define(fv, "enum", "dcasgd_mode", _DEFAULTS["DCASGD"]["mode"],
             "DC-ASGD: constant lambda (DC-ASGD-c) or adaptive (DC-ASGD-a).",
-            enum_values=list(MODES))
-    # Each wrapper's hyperparameters: (flag, wrapper class, argument, help, check).
+            enum_values=list(_DCASGD_MODES))
+    # Each wrapper's hyperparameters: (flag, wrapper class name, argument, help, check).
     for name, cls, argument, help_text, check in (
-            ("dcasgd_lambda", DCASGD, "lambda_",
+            ("dcasgd_lambda", "DCASGD", "lambda_",
              "DC-ASGD constant mode: the variance-control factor lambda.", _AT_LEAST_0),
-            ("dcasgd_lambda0", DCASGD, "lambda0",
+            ("dcasgd_lambda0", "DCASGD", "lambda0",
              "DC-ASGD adaptive mode: lambda0 in lambda0/sqrt(MS + epsilon).", _AT_LEAST_0),
-            ("dcasgd_momentum", DCASGD, "momentum",
+            ("dcasgd_momentum", "DCASGD", "momentum",
              "DC-ASGD adaptive mode: decay of the mean square MS.", _FRACTION),
-            ("dcasgd_epsilon", DCASGD, "epsilon",
+            ("dcasgd_epsilon", "DCASGD", "epsilon",
              "DC-ASGD adaptive mode: added under the square root.", _ABOVE_0),
-            ("gap_aware_beta", GapAware, "beta", "Gap-Aware: decay of the average of g*g.",
+            ("gap_aware_beta", "GapAware", "beta", "Gap-Aware: decay of the average of g*g.",
              _FRACTION),
-            ("gap_aware_epsilon", GapAware, "epsilon",
+            ("gap_aware_epsilon", "GapAware", "epsilon",
              "Gap-Aware: epsilon in eta_max * (sqrt(v) + epsilon).", _ABOVE_0)):
-        _define(fv, "float", name, _signature_default(cls, argument), help_text, *check)
-    _define(fv, "string", "ringmaster_threshold", ADAPTIVE,
+        _define(fv, "float", name, _DEFAULTS[cls][argument], help_text, *check)
+    _define(fv, "string", "ringmaster_threshold", _ADAPTIVE,
             "Ringmaster: R, an integer >= 1 (updates with tau >= R are ignored; about the "
             "number of workers is usual), or 'adaptive' (R = max(1, floor(sqrt(k))) at the "
             "k-th update; use a decreasing learning rate with it).",
@@ -591,19 +628,17 @@ def _define_local_steps(fv):
 
 
 def _define_straggler(fv):
-    from keras_dist.callbacks import StragglerDetector
-
     _define(fv, "float", "straggler_threshold", None,
             "Add a StragglerDetector: flag a worker that costs the job more than this "
-            f"share of its time; {_signature_default(StragglerDetector, 'threshold')} is "
+            f"share of its time; {_DEFAULTS['StragglerDetector']['threshold']} is "
             "the usual value. Unset or 0: no detector.",
             lambda v: v is None or 0 <= v < 1,
             "must be in the range (0, 1) (a worker is flagged when it costs the job more "
             "than this share of its time), or 0 / unset for no detector.")
-    _define(fv, "integer", "straggler_window", _signature_default(StragglerDetector, "window"),
+    _define(fv, "integer", "straggler_window", _DEFAULTS["StragglerDetector"]["window"],
             "StragglerDetector: steps in the rolling window.",
             lambda v: v >= 2, "must be an integer >= 2.")
-    _define(fv, "enum", "straggler_action", _signature_default(StragglerDetector, "action"),
+    _define(fv, "enum", "straggler_action", _DEFAULTS["StragglerDetector"]["action"],
             "StragglerDetector: log a line, or stop training with StragglerError, when a "
             "worker becomes a straggler.", enum_values=["warn", "raise"])
     _needs(fv, "straggler_threshold", ["straggler_window", "straggler_action"], bool,
@@ -629,8 +664,6 @@ def _define_sharding(fv):
 
 
 def _define_backup(fv):
-    from keras_dist.callbacks import BackupAndRestore
-
     _define(fv, "string", "backup_dir", None,
             "Add a BackupAndRestore: back training up there (a directory every task sees) "
             "and resume from it when rerun or restarted; save and exit with code 75 on "
@@ -639,7 +672,7 @@ def _define_backup(fv):
             "BackupAndRestore: 'epoch', or a backup every this many steps.",
             lambda v: v == "epoch" or (v.isdigit() and int(v) >= 1),
             "must be 'epoch' or an integer number of steps >= 1.")
-    _define(fv, "float", "grace_period", _signature_default(BackupAndRestore, "grace_period"),
+    _define(fv, "float", "grace_period", _DEFAULTS["BackupAndRestore"]["grace_period"],
             "BackupAndRestore: seconds the scheduler leaves between SIGTERM and SIGKILL "
             "(Kubernetes' terminationGracePeriodSeconds).",
             lambda v: v > 0, "must be a number of seconds > 0.")

@@ -7,6 +7,7 @@ under `kd.fit(..., **fit_kwargs(fv))`.
 
 import ast
 import inspect
+import logging
 import os
 import re
 import subprocess
@@ -21,7 +22,8 @@ from absl import flags
 
 import keras_dist as kd
 from keras_dist import flags as kd_flags
-from procs import digits_model
+import docblocks
+from procs import REPO, digits_model
 
 TWO_PS = {"cluster": {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"],
                       "ps": ["127.0.0.1:3", "127.0.0.1:4"]},
@@ -135,7 +137,7 @@ def test_module_imports_neither_tensorflow_nor_keras():
             top |= {alias.name.split(".")[0] for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
             top.add(node.module.split(".")[0])
-    assert top <= {"inspect", "os", "sys", "absl"}, top
+    assert top <= {"inspect", "logging", "os", "sys", "absl"}, top
     assert sorted(kd_flags.__all__) == [
         "define_flags", "fit_kwargs", "strategy_from_flags", "wrap_optimizer"]
 
@@ -171,6 +173,68 @@ def test_no_tensor_before_the_strategy():
     assert done.stdout.split("\n")[0] == "imported: []"  # `import keras_dist.flags` is cheap
     assert done.stdout.split("\n")[-2] == (
         "True ['StragglerDetector', 'PerReplicaMetrics', 'TensorBoard']")
+
+
+def test_define_time_constants_match_their_sources():
+    # define_flags reads these from flags.py, not from the classes (which
+    # import TensorFlow): they must not drift from where they are defined.
+    from keras_dist.optimizers import dcasgd, ringmaster
+    from keras_dist.training import nonfinite
+
+    assert kd_flags._STRATEGY_KINDS == tuple(kind.value for kind in kd.StrategyKind)
+    assert kd_flags._NONFINITE_MODES == nonfinite.MODES
+    assert kd_flags._DCASGD_MODES == dcasgd.MODES
+    assert kd_flags._ADAPTIVE == ringmaster.ADAPTIVE
+    classes = {"DCASGD": kd.optimizers.DCASGD, "GapAware": kd.optimizers.GapAware,
+               "StragglerDetector": kd.callbacks.StragglerDetector,
+               "BackupAndRestore": kd.callbacks.BackupAndRestore}
+    assert sorted(kd_flags._DEFAULTS) == sorted(classes)
+    for name, defaults in kd_flags._DEFAULTS.items():
+        parameters = inspect.signature(classes[name].__init__).parameters
+        assert defaults == {arg: parameters[arg].default for arg in defaults}, name
+
+
+def subprocess_env():
+    """This checkout's keras_dist first on the path of a fresh process (not
+    whatever keras_dist the virtual environment installed), TF quiet."""
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
+           "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
+    env.pop("TF_CONFIG", None)
+    env.pop("KERAS_DIST_STRATEGY", None)
+    return env
+
+
+def docs_script(directory):
+    """docs/flags.md's script (its `file train.py` block), written to `directory`."""
+    block, = [block for block in docblocks.parse_page("docs/flags.md")
+              if block.marker("file") == "train.py"]
+    path = os.path.join(directory, "train.py")
+    with open(path, "w") as f:
+        f.write(block.code)
+    return path
+
+
+# Runs a script as `python SCRIPT --help` would, then says what was imported.
+_HELP = textwrap.dedent("""
+    import atexit, runpy, sys
+    atexit.register(lambda: print("imported:", [m for m in ("tensorflow", "keras")
+                                                if m in sys.modules]))
+    sys.argv = [sys.argv[1], "--help"]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+""")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("script", ["docs", "examples/train_digits.py",
+                                    "examples/straggler_demo.py"])
+def test_help_imports_neither_tensorflow_nor_keras(script, tmp_path):
+    # `--help` must answer at once: defining the flags imports no TensorFlow.
+    path = docs_script(tmp_path) if script == "docs" else os.path.join(REPO, script)
+    done = subprocess.run([sys.executable, "-c", _HELP, path], capture_output=True,
+                          text=True, timeout=120, env=subprocess_env(), cwd=tmp_path)
+    assert "--staleness" in done.stdout or "--straggler_threshold" in done.stdout, (
+        done.stdout[-2000:] + done.stderr[-2000:])
+    assert done.stdout.splitlines()[-1] == "imported: []", done.stderr[-2000:]
 
 
 # ---------------------------------------------------------------- validation
@@ -494,6 +558,65 @@ def test_strategy_from_flags():
     assert isinstance(one, tf.distribute.OneDeviceStrategy)
     with pytest.raises(ValueError, match="'parameter_server' was requested"):
         kd_flags.strategy_from_flags(parsed("--strategy=parameter_server"))
+
+
+# ------------------------------------------------------------------- logging
+@pytest.mark.parametrize("under_app_run, verbosity_given, own_level, expected", [
+    (True, False, logging.NOTSET, logging.WARNING),   # absl's INFO default: quieted
+    (True, True, logging.NOTSET, logging.NOTSET),     # --verbosity / -v: follows it
+    (True, False, logging.INFO, logging.INFO),        # the script's own choice stays
+    (False, False, logging.NOTSET, logging.NOTSET),   # not under app.run: untouched
+])
+@pytest.mark.parametrize("call", ["strategy_from_flags", "wrap_optimizer", "fit_kwargs"])
+def test_tensorflow_info_logs_are_quiet_unless_asked(monkeypatch, call, under_app_run,
+                                                     verbosity_given, own_level, expected):
+    from absl import logging as absl_logging
+
+    handler = absl_logging.get_absl_handler()
+    handlers = [h for h in logging.root.handlers if h is not handler]
+    monkeypatch.setattr(logging.root, "handlers", handlers + [handler] * under_app_run)
+    monkeypatch.setattr(flags.FLAGS["verbosity"], "present", int(verbosity_given))
+    logger = logging.getLogger("tensorflow")
+    before = logger.level
+    logger.setLevel(own_level)
+    try:
+        fv = parsed("--strategy=default")
+        if call == "wrap_optimizer":
+            kd_flags.wrap_optimizer(sgd(), fv)
+        else:
+            getattr(kd_flags, call)(fv)
+        assert logger.level == expected
+    finally:
+        logger.setLevel(before)
+
+
+# Python log lines at INFO: TF's own handler's ("INFO:tensorflow:...", when
+# TensorFlow was imported before app.run) or absl's ("I1205 23:07:28.65 140 x.py:619]").
+_PYTHON_INFO = re.compile(r"INFO:tensorflow:|\bI\d{4} [\d:.]+ +\d+ \S+\.py:\d+\]")
+
+
+@pytest.mark.multiprocess
+def test_docs_script_under_the_launcher_prints_no_tensorflow_info(tmp_path):
+    # absl's app.run sets logging to INFO: without keras-dist quieting it the
+    # chief prints "Reduce to /device:CPU:0 then broadcast to ..." per variable.
+    script = docs_script(tmp_path)
+
+    def run(*args):
+        done = subprocess.run(
+            [sys.executable, "-m", "keras_dist.cluster.launch", "--workers", "2", "--ps", "1",
+             "--", sys.executable, script, "--epochs=1", *args],
+            capture_output=True, text=True, timeout=300, env=subprocess_env(), cwd=tmp_path)
+        out = done.stdout + done.stderr
+        assert done.returncode == 0, out[-4000:]
+        return [line for line in out.splitlines() if _PYTHON_INFO.search(line)], out
+
+    noise, out = run()
+    assert noise == [], "\n".join(noise[:20])
+    assert re.search(r"^\[chief:0\] keras_dist: using parameter_server strategy", out, re.M)
+    assert re.search(r"^\[chief:0\] \d+/\d+ - .*accuracy", out, re.M), out[-3000:]
+    # Asked for (absl's --verbosity, or -v): TensorFlow's INFO lines are back.
+    asked, _ = run("--verbosity=0")
+    assert any("Reduce to /device:CPU:0 then broadcast" in line for line in asked), asked
 
 
 # ----------------------------------------------------------------- end to end
