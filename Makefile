@@ -36,6 +36,7 @@ bench: $(STAMP)
 	$(VENV)/bin/keras-dist-run --workers 2 --ps 1 -- $(PY) benchmarks/ps_throughput.py
 	$(VENV)/bin/keras-dist-run --workers 2 --ps 1 -- $(PY) benchmarks/local_steps.py
 	$(PY) benchmarks/ps_startup.py
+	$(PY) benchmarks/flags_startup.py
 	$(PY) benchmarks/stalled_worker.py
 	$(PY) benchmarks/preemption.py
 	$(VENV)/bin/keras-dist-run --workers 2 --ps 2 -- $(PY) benchmarks/ps_sharded.py

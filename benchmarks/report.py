@@ -202,6 +202,20 @@ def ps_startup(lines):
     ]
 
 
+def flags_startup(lines):
+    data = section(lines, "flags_startup", "## A flags script's `--help` (`flags_startup.py`)")
+    if data is None:
+        return
+    base = data["medians"]["import tensorflow"]
+    lines += [f"Median of {data['repeats']} interleaved runs, each a fresh process.\n",
+              "| command | seconds | x `import tensorflow` |", "|---|---|---|",
+              f"| `python -c \"import tensorflow\"` | {base:.3f} | 1 |"]
+    for name, ratio in data["ratios"].items():
+        lines.append(f"| {name} | {data['medians'][name]:.3f} | {ratio:.3f} |")
+    lines += ["", f"Target: every ratio <= {data['target']}: "
+              f"{'met' if data['met'] else 'not met'}.\n"]
+
+
 def stalled_worker(lines):
     data = section(lines, "stalled_worker",
                    "## A stopped worker under parameter servers (`stalled_worker.py`)")
@@ -437,6 +451,7 @@ def main():
     ps_throughput(lines)
     local_steps(lines)
     ps_startup(lines)
+    flags_startup(lines)
     stalled_worker(lines)
     preemption(lines)
     ps_sharded(lines)
