@@ -111,10 +111,12 @@ def test_a_stopped_worker_holds_only_its_own_step_and_an_idle_cluster_is_never_s
     result = cluster.finish(timeout=400)
     output = cluster.output
 
-    # Training went on: the epochs run entirely while worker 1 was stopped
-    # took about as long as the epochs before (on this machine the chief
-    # and the parameter server bound the rate, so one worker does about
-    # what two do). Before issue 30 the epoch holding its step took 45 s.
+    # Training went on at one worker's rate at least: the epochs run
+    # entirely while worker 1 was stopped took at most about twice as long
+    # as the epochs before (one worker of two; on a quiet machine the chief
+    # and the parameter server bound the rate and it is nearer 1x, but a
+    # loaded 2-core machine makes the workers the bound: 1.54x was seen in
+    # CI). Before issue 30 the epoch holding its step took 45 s.
     times = result["epoch_times"]
     seconds = epoch_seconds(result)
     frozen = [i for i, (b, e) in enumerate(times) if b > stopped_at and e < continued_at]
@@ -122,7 +124,7 @@ def test_a_stopped_worker_holds_only_its_own_step_and_an_idle_cluster_is_never_s
     assert len(frozen) >= 10, (seconds.tolist(), stopped_at, continued_at)
     print(f"epochs before the stop: median {np.median(seconds[before]):.2f} s; while "
           f"stopped: {np.median(seconds[frozen]):.2f} s")
-    assert np.median(seconds[frozen]) <= 1.3 * np.median(seconds[before]), seconds.tolist()
+    assert np.median(seconds[frozen]) <= 2.5 * np.median(seconds[before]), seconds.tolist()
     # The epoch it was stopped in waited for nothing either.
     assert seconds.max() < 10, seconds.tolist()
     # Worker 0 did all of those epochs' updates ...
