@@ -78,6 +78,19 @@ def epoch_traces(counts, functions=lambda: ()):
     return EpochTraces()
 
 
+def mean_output_model(lr):
+    """A linear model (3 inputs, no bias) compiled with SGD(`lr`), whose loss,
+    mean(x @ w), has gradient mean(x) whatever w: every update's change is
+    known from its batches alone."""
+    import keras
+
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras.layers.Dense(1, use_bias=False)(inputs))
+    model.compile(keras.optimizers.SGD(lr), lambda y_true, y_pred: keras.ops.mean(y_pred))
+    return model
+
+
 def one_local_round(strategy, local, remote, x, y, k, rounds=1):
     """One execution of `rounds` rounds of `k` local steps of `remote` (an
     `AsyncModel` in `strategy`'s scope, compiled with steps_per_execution

@@ -6,7 +6,7 @@ import pytest
 
 import keras_dist as kd
 from keras_dist import simulate
-from procs import digits_model
+from procs import digits_model, mean_output_model
 
 
 @pytest.mark.parametrize("workers", [1, 2, 4, 16, 64, 256])
@@ -396,15 +396,6 @@ def test_sync_fit_without_backups_is_one_step_on_the_concatenated_batches(digits
     assert len(history["loss"]) == epochs and history["loss"][-1] < history["loss"][0]
 
 
-def _mean_output_model(lr):
-    """A linear model whose loss, mean(x @ w), has gradient mean(x) whatever w."""
-    keras.utils.set_random_seed(1)
-    inputs = keras.Input((3,))
-    model = keras.Model(inputs, keras.layers.Dense(1, use_bias=False)(inputs))
-    model.compile(keras.optimizers.SGD(lr), lambda y_true, y_pred: keras.ops.mean(y_pred))
-    return model
-
-
 @pytest.mark.parametrize("workers, backup, kwargs", [
     (3, 1, dict(stragglers={1: 100.0}, lr_scaling="linear", warmup=0.0)),
     (4, 2, dict(speed="pareto", lr_scaling="sqrt", warmup=0.25))])
@@ -414,7 +405,7 @@ def test_sync_fit_applies_the_mean_of_the_n_fastest_gradients(workers, backup, k
     workers not dropped. With a 100x straggler, it is always worker 1."""
     lr, batch, epochs, n = 0.01, 8, 3, 96
     x = np.abs(np.random.default_rng(0).normal(size=(n, 3))).astype("float32")
-    model = _mean_output_model(lr)
+    model = mean_output_model(lr)
     w0 = model.weights[0].numpy()[:, 0].astype(np.float64)
     _, sched = simulate.sync_fit(model, x, np.zeros((n, 1), "float32"), workers=workers,
                                  backup=backup, epochs=epochs, batch_size=batch, seed=5,
@@ -444,7 +435,7 @@ def test_sync_fit_counts_examples_by_the_applied_batches():
     passes' worth of applied batches does, also when one update spans
     several epochs."""
     x, y = np.ones((96, 3), "float32"), np.zeros((96, 1), "float32")
-    runs = {b: simulate.sync_fit(_mean_output_model(0.01), x, y, workers=4, backup=b, epochs=3,
+    runs = {b: simulate.sync_fit(mean_output_model(0.01), x, y, workers=4, backup=b, epochs=3,
                                  batch_size=8, seed=2, speed="pareto") for b in (0, 2)}
     (_, plain), (history, backed) = runs[0], runs[2]
     assert len(plain.times) == len(backed.times) == 3 * 12 // 4
@@ -453,7 +444,7 @@ def test_sync_fit_counts_examples_by_the_applied_batches():
     assert backed.epoch_ends.tolist() == [3, 6, 9] and len(history["loss"]) == 3
     np.testing.assert_array_equal(simulate.epoch_times(backed, 3), backed.times[[2, 5, 8]])
     # 16 batches per update, 12 per epoch: updates end in epochs 2 and 3 only.
-    history, wide = simulate.sync_fit(_mean_output_model(0.01), x, y, workers=16, epochs=3,
+    history, wide = simulate.sync_fit(mean_output_model(0.01), x, y, workers=16, epochs=3,
                                       batch_size=8, validation_data=(x, y))
     assert wide.epoch_ends.tolist() == [0, 1, 2]
     assert np.isnan(history["loss"][0]) and not np.isnan(history["loss"][1])
@@ -462,7 +453,7 @@ def test_sync_fit_counts_examples_by_the_applied_batches():
 
 
 def test_epoch_times_of_an_asynchronous_run_are_its_last_updates_times():
-    model = _mean_output_model(0.01)
+    model = mean_output_model(0.01)
     x, y = np.ones((96, 3), "float32"), np.zeros((96, 1), "float32")
     history, sched = simulate.fit(model, x, y, workers=4, epochs=3, batch_size=8, seed=1)
     times = simulate.epoch_times(sched, 3)
@@ -490,7 +481,7 @@ def test_epoch_times_of_an_asynchronous_run_are_its_last_updates_times():
     (dict(speed="pareto", alpha=0.5), "Received: alpha=0.5"),
 ])
 def test_bad_sync_fit_arguments(kwargs, message):
-    model = _mean_output_model(0.01)
+    model = mean_output_model(0.01)
     x, y = np.ones((64, 3), "float32"), np.zeros((64, 1), "float32")
     kwargs = {"workers": 2, "backup": 1, **kwargs}
     with pytest.raises(ValueError, match=message):
