@@ -40,6 +40,24 @@ def reachable(host, port):
         return False
 
 
+def listening(port):
+    """The local addresses this network namespace listens on at `port`, read
+    from /proc/net/tcp and tcp6 (what `ss -ltn` shows): e.g. {"::"}."""
+    found = set()
+    for path, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        with open(path) as f:
+            for line in f.read().splitlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                host, _, hex_port = local.partition(":")
+                if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                    raw = bytes.fromhex(host)
+                    # The kernel prints each 32-bit word in host (little-endian) order.
+                    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                    found.add(socket.inet_ntop(
+                        socket.AF_INET if width == 8 else socket.AF_INET6, raw))
+    return found
+
+
 def serving_ports(extra_args, tmp_path):
     """Starts a chief+worker+ps cluster of real servers; yields their ports."""
     log = open(tmp_path / "launcher.log", "w+")
@@ -73,8 +91,14 @@ def test_ports_are_private_only_when_isolated(tmp_path, isolate):
         if isolate:
             assert reached == [False] * 3
             assert not any(reachable("127.0.0.1", port) for port in ports)
+            # Nothing listens on the host's network at all, on any address.
+            assert [listening(port) for port in ports] == [set()] * 3
         else:
             assert reached == [True] * 3  # TF listens on *:port, not 127.0.0.1
+            # ...on the wildcard address (dual-stack "::" where IPv6 exists):
+            # TensorFlow takes no host to bind (see keras_dist/cluster/ports.py).
+            for port in ports:
+                assert listening(port) & {"::", "0.0.0.0"}, listening(port)
         log.seek(0)
         text = log.read()
         expected = "private network namespace" if isolate else "--no-isolate"

@@ -6,7 +6,7 @@
 - `strategy`: which `tf.distribute` strategy a cluster and its devices get
   (`choose_strategy`, `build_strategy`, `resolve_strategy`);
 - `serving`: the worker and ps tasks' `tf.distribute.Server`, the waits for
-  peers, gRPC settings;
+  peers, gRPC settings; `ports`: is a task's port free for its server;
 - `launch`: the `keras-dist-run` launcher; `isolation`: its per-task
   process groups; `recipes`: the TFJob and SLURM files it emits;
 - `plain_fit`: Keras' own `model.fit` refused on parameter-server tasks.

@@ -28,6 +28,7 @@ import threading
 import time
 
 from keras_dist.cluster import isolation
+from keras_dist.cluster import ports
 from keras_dist.cluster import recipes
 from keras_dist.cluster.config import ClusterConfig
 
@@ -49,21 +50,25 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # keras_
 
 @dataclasses.dataclass(frozen=True)
 class Failure:
-    """A task ended the job: it died, or saved a backup and exited preempted."""
+    """A task ended the job: it died, saved a backup and exited preempted, or
+    could not listen because another program holds its port (`port`)."""
 
     task: tuple
     code: int
+    port: int = None
 
     @property
     def restartable(self):
         """Killed by a signal (a lost machine, the OOM killer, a scheduler;
-        137/143 through a shell) or preempted: a restart can help. A task
-        that exits with an error of its own (a Python exception: 1) would
-        fail again."""
-        return self.code < 0 or self.code in (PREEMPTED_EXIT_CODE, 128 + signal.SIGKILL,
-                                              128 + signal.SIGTERM)
+        137/143 through a shell), preempted, or its port taken (the job
+        restarts on new ports): a restart can help. A task that exits with an
+        error of its own (a Python exception: 1) would fail again."""
+        return self.port is not None or self.code < 0 or self.code in (
+            PREEMPTED_EXIT_CODE, 128 + signal.SIGKILL, 128 + signal.SIGTERM)
 
     def why(self):
+        if self.port is not None:
+            return f"could not listen on port {self.port}: it is in use by another program"
         if self.code == PREEMPTED_EXIT_CODE:
             return "was preempted (saved a backup, exit code 75)"
         if self.code < 0:
@@ -231,6 +236,10 @@ class Cluster:
                     return 1
                 if self.config.num_ps and task[0] == "worker":
                     used = self.restarts.get(task, 0)
+                    if self._taken_port(task) is not None:
+                        # Restarted alone it must keep its address: the job
+                        # restarts instead, on new ports.
+                        return self._failure(task, code)
                     if used < self.max_restarts:
                         self.restarts[task] = used + 1
                         self._say(f"{task[0]}:{task[1]} exited with code {code}; restarting "
@@ -254,11 +263,21 @@ class Cluster:
         """The `Failure` that ended the job: of the tasks ended so far, one
         killed or preempted (its peers fail after it, with errors of their
         own), else `task`."""
-        ended = {t: p.poll() for t, p in self.procs.items() if p.poll() is not None}
-        for other, other_code in ended.items():
-            if Failure(other, other_code).restartable and not Failure(task, code).restartable:
-                return Failure(other, other_code)
-        return Failure(task, code)
+        ended = {t: Failure(t, p.poll(), self._taken_port(t))
+                 for t, p in self.procs.items() if p.poll() is not None}
+        failure = ended.get(task) or Failure(task, code, self._taken_port(task))
+        for other in ended.values():
+            if other.restartable and not failure.restartable:
+                return other
+        return failure
+
+    def _taken_port(self, task):
+        """The port of `task`, ended with an error, when another program holds
+        it now (the task could not start its server), else `None`."""
+        if self.procs[task].poll() in (None, 0):
+            return None
+        port = int(self.config.cluster[task[0]][task[1]].rpartition(":")[2])
+        return port if ports.port_in_use(port) else None
 
     def _wait_for(self, task, seconds):
         try:
@@ -429,7 +448,9 @@ def main(argv=None):
             code = result.code if result.code > 0 else 128 - result.code
             if not result.restartable or args.max_restarts == 0:
                 # The shell's convention for a killed task: 128 + signal number.
-                cluster._say(f"{task} exited with code {result.code}; stopping the cluster")
+                said = result.why() if result.port is not None else (
+                    f"exited with code {result.code}")
+                cluster._say(f"{task} {said}; stopping the cluster")
                 break
             if restarts >= args.max_restarts:
                 cluster._say(f"{task} {result.why()}; the job has used its "
@@ -438,7 +459,8 @@ def main(argv=None):
             restarts += 1
             resume = (f"resuming from {backup}" if backup else
                       "no backup in force: starting afresh")
-            cluster._say(f"{task} {result.why()}; restarting the job "
+            where = " on new ports" if result.port is not None else ""
+            cluster._say(f"{task} {result.why()}; restarting the job{where} "
                          f"({restarts}/{args.max_restarts}), {resume}")
     finally:
         signal.signal(signal.SIGTERM, previous)

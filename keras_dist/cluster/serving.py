@@ -15,6 +15,7 @@ import tensorflow as tf
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
 from keras_dist.cluster.config import ClusterConfig
 from keras_dist.cluster.keepalive import GRPC_KEEPALIVE  # noqa: F401  (kept at this path too)
+from keras_dist.cluster.ports import check_own_port
 
 logger = logging.getLogger("keras_dist")
 
@@ -30,6 +31,9 @@ def start_server(cluster):
 
     Returns:
         The running `tf.distribute.Server`.
+
+    Raises:
+        PortInUseError: when another program holds this task's port.
     """
     if cluster.task_type is None:
         raise ValueError(
@@ -37,6 +41,7 @@ def start_server(cluster):
             "Set TF_CONFIG's 'task' to this process's role and index.")
     key = cluster.address
     if key not in _SERVERS:
+        check_own_port(cluster)
         config = tf.compat.v1.ConfigProto()
         config.inter_op_parallelism_threads = max(4, cluster.num_workers + 1)
         _SERVERS[key] = tf.distribute.Server(
@@ -69,6 +74,7 @@ def serve(cluster=None):
 
     Raises:
         ValueError: when there is no cluster, or this task is the chief.
+        PortInUseError: when another program holds this task's port.
     """
     cluster = cluster or ClusterConfig.from_env()
     if cluster is None:

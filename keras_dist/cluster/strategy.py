@@ -32,6 +32,7 @@ from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks
 from keras_dist._runtime import quiet_tf_logger
 from keras_dist.training import sharded
 from keras_dist.cluster.config import ClusterConfig
+from keras_dist.cluster.ports import check_own_port
 from keras_dist.cluster.serving import meet_peers, start_server, wait_for_tasks
 
 logger = logging.getLogger("keras_dist")
@@ -235,6 +236,8 @@ def resolve_strategy(strategy="auto", cluster=None, devices=None, *,
             TensorFlow's runtime has started (it must be created first).
         TimeoutError: when the cluster's other tasks do not come up within
             `connect_timeout`.
+        PortInUseError: (an `OSError`) when another program holds this
+            task's port, so its TensorFlow server could not start.
     """
     if isinstance(strategy, tf.distribute.Strategy):
         if variable_partitioner is not None:
@@ -360,6 +363,7 @@ def _parameter_server(cluster, variable_partitioner, connect_timeout):
             "parameter-server training only the 'chief' coordinates and 'worker' "
             "/ 'ps' tasks serve. Evaluator tasks are not supported yet: leave "
             "the evaluator out of the cluster.")
+    check_own_port(cluster)  # the coordinator's server binds it (before waiting on others)
     wait_for_tasks(cluster, connect_timeout)
     with quiet_tf_logger("WARNING"):  # connecting logs its session config at INFO
         strategy = tf.distribute.ParameterServerStrategy(
@@ -377,6 +381,7 @@ def _multi_worker(cluster, connect_timeout=120.0):
         )
     resolver = cluster.cluster_resolver() if cluster is not None else None
     if cluster is not None:
+        check_own_port(cluster)
         meet_peers(cluster, connect_timeout)  # TF's own wait has no limit
     # TF's coordination service catches SIGTERM for its preemption notifier,
     # and a task then ignores it (for good: a worker stopped with SIGTERM
