@@ -273,3 +273,47 @@ def test_sigterm_to_the_driver_stops_every_task_and_actor(tmp_path):
             driver.wait()
         for pid in pids_with_marker(marker):
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.ray
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_lost_chief_actor_restarts_the_job_from_its_backup(tmp_path):
+    """SIGKILL the chief's actor (as when its node is lost) mid-epoch: its
+    task dies with it, every other task is stopped, and the job starts again
+    on new actors, resuming from BackupAndRestore's newest backup; every
+    update is counted (at least once, as under keras-dist-run)."""
+    epochs, steps = 3, 23
+    driver = subprocess.Popen(
+        RAY + ["--workers", "2", "--ps", "1", "--", sys.executable,
+               "tests/scripts/preempt_train.py", str(tmp_path), str(tmp_path / "backup"),
+               str(epochs), "10"],
+        cwd=REPO, env=ray_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
+    output, actor = [], None
+    try:
+        for line in driver.stdout:
+            output.append(line)
+            if actor is None and re.match(r"\[chief:0\] Epoch 2/", line):
+                chief = int(re.findall(r"started chief:0 \(pid (\d+) on ", "".join(output))[0])
+                with open(f"/proc/{chief}/stat") as f:
+                    actor = int(f.read().rsplit(")", 1)[1].split()[1])  # its parent
+                os.kill(actor, signal.SIGKILL)
+        driver.wait(300)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait()
+    text = "".join(output)
+    assert actor is not None and driver.returncode == 0, text[-4000:]
+    assert re.search(r"chief:0 was killed by SIGKILL; restarting the job \(1/3\), resuming "
+                     r"from \S+backup\S*", text), text[-4000:]
+    assert len(re.findall(r"cluster: 1 chief, 2 workers, 1 ps from Ray", text)) == 1
+    assert len(re.findall(r"started chief:0 ", text)) == 2
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["restored_step"] is not None, result  # the second job resumed
+    history = {k: ((result["restored_history"] or {}).get(k, []) + v)
+               for k, v in result["history"].items()}
+    assert len(history["loss"]) == epochs
+    assert 0 <= result["version"] - epochs * steps <= 4, result["version"]
+    assert_nothing_left(str(tmp_path))

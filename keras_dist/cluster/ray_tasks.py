@@ -14,6 +14,7 @@ when the job is). Ray is not imported here at import time: `ray.remote` is
 applied by `actor_class()`, when a run starts.
 """
 
+import ctypes
 import os
 import shutil
 import signal
@@ -48,7 +49,9 @@ class TaskActor:
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._socket.bind(("", 0))
         self.port = self._socket.getsockname()[1]
-        self.dir = tempfile.mkdtemp(prefix="keras-dist-ray-")
+        # The task's files: its BackupAndRestore's note of the backup in force
+        # (launch.STATE_ENV), a function target's pickle.
+        self.state_dir = tempfile.mkdtemp(prefix="keras-dist-ray-")
         self.proc = None
         self.generation = 0
         self._lines, self._progress, self._drained = [], None, True
@@ -70,7 +73,7 @@ class TaskActor:
             self._socket.close()  # the task's server binds it next
             self._socket = None
         if isinstance(command, bytes):
-            path = os.path.join(self.dir, "function.pkl")
+            path = os.path.join(self.state_dir, "function.pkl")
             with open(path, "wb") as f:
                 f.write(command)
             command = [sys.executable, "-m", "keras_dist.cluster.ray_call", path]
@@ -84,7 +87,7 @@ class TaskActor:
         for key, value in recipes.TASK_ENV:
             task_env.setdefault(key, value)
         task_env["PYTHONUNBUFFERED"] = "1"
-        task_env[launch.STATE_ENV] = self.dir
+        task_env[launch.STATE_ENV] = self.state_dir
         if boot:
             task_env["PYTHONPATH"] = os.pathsep.join(
                 [os.path.join(_PACKAGE, "_boot")]
@@ -95,7 +98,7 @@ class TaskActor:
             self._lines, self._progress, self._drained = [], None, False
         self.proc = subprocess.Popen(
             command, env=task_env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True)
+            stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
         threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
         return self.proc.pid, self.generation
 
@@ -118,19 +121,23 @@ class TaskActor:
             self._changed.notify_all()
 
     def read(self, generation, timeout=READ_SECONDS):
-        """`(lines, progress, code)`: the lines written since the last read,
-        the progress bar's text (or `None`), and the exit code once the
-        process has ended and every line was read (else `None`)."""
+        """`(lines, progress, code, backup)`: the lines written since the
+        last read, the progress bar's text (or `None`), the exit code once
+        the process has ended and every line was read (else `None`), and the
+        backup the task's `BackupAndRestore` last reported as in force (or
+        `None`): sent with every read, so that it is known after the actor
+        is lost."""
         with self._changed:
             self._changed.wait_for(
                 lambda: self._lines or self._progress or self._drained
                 or generation != self.generation, timeout)
+            backup = launch.Cluster.backup_in_force(self)  # reads self.state_dir
             if generation != self.generation:
-                return [], None, None
+                return [], None, None, backup
             lines, self._lines = self._lines, []
             progress, self._progress = self._progress, None
             done = self._drained and self.proc is not None
-            return lines, progress, self.proc.returncode if done else None
+            return lines, progress, self.proc.returncode if done else None, backup
 
     def signal(self, signum):
         """Sends `signum` to the task's process group (for tests and users)."""
@@ -150,19 +157,20 @@ class TaskActor:
         self.proc.wait()
         return self.proc.returncode
 
-    def backup_in_force(self):
-        """What the task's `BackupAndRestore` last reported as in force."""
-        return launch.Cluster.backup_in_force(_StateDir(self.dir))
-
     def cleanup(self):
-        shutil.rmtree(self.dir, ignore_errors=True)
+        shutil.rmtree(self.state_dir, ignore_errors=True)
 
 
-class _StateDir:
-    """What `launch.Cluster.backup_in_force` reads: a `state_dir`."""
+def _die_with_parent():
+    """In the task's process before it runs: SIGKILL it when its actor dies
+    (killed, or out of memory), which then cannot stop it (Linux only)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
 
-    def __init__(self, state_dir):
-        self.state_dir = state_dir
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def actor_class():
@@ -183,7 +191,7 @@ class RemoteProcess:
     """
 
     def __init__(self, actor, pid, generation, name, console):
-        self.actor, self.pid, self.returncode = actor, pid, None
+        self.actor, self.pid, self.returncode, self.backup = actor, pid, None, None
         self._done = threading.Event()
         self.thread = threading.Thread(target=self._pump, args=(generation, name, console),
                                        daemon=True)
@@ -195,11 +203,12 @@ class RemoteProcess:
         code = None
         while code is None:
             try:
-                lines, progress, code = ray.get(self.actor.read.remote(generation),
-                                                timeout=CALL_SECONDS)
+                lines, progress, code, backup = ray.get(self.actor.read.remote(generation),
+                                                        timeout=CALL_SECONDS)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 code = -signal.SIGKILL
                 break
+            self.backup = backup or self.backup
             for text in lines:
                 console.line(name, text)
             if progress is not None:
@@ -274,18 +283,11 @@ class RayCluster(launch.Cluster):
             thread.join(timeout=CALL_SECONDS)
 
     def backup_in_force(self):
-        import ray
-
-        ordered = [self.leader] + [t for t in self.actors if t != self.leader]
-        for task in ordered:
-            try:
-                path = ray.get(self.actors[task].backup_in_force.remote(),
-                               timeout=CALL_SECONDS)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                continue
-            if path:
-                return path
-        return None
+        """What the tasks' `BackupAndRestore` last reported as in force, the
+        leader's first, as their actors last sent it."""
+        ordered = [self.leader] + [t for t in self.procs if t != self.leader]
+        return next((self.procs[t].backup for t in ordered
+                     if t in self.procs and self.procs[t].backup), None)
 
     def cleanup(self):
         import ray
