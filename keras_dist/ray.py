@@ -97,7 +97,6 @@ def run(target, *, workers=2, ps=0, evaluator=False, address=None, max_restarts=
         ray.init(address=address)
     env = dict(env or {})
     command = target if not callable(target) else ray.cloudpickle.dumps(target)
-    quiet = "TF_CPP_MIN_LOG_LEVEL" not in {**os.environ, **env}
     options = {"num_cpus": 0, "scheduling_strategy": "SPREAD", **(actor_options or {})}
     out = out or sys.stdout
     actor_class = ray_tasks.actor_class()
@@ -109,7 +108,7 @@ def run(target, *, workers=2, ps=0, evaluator=False, address=None, max_restarts=
             for role in ROLES if counts.get(role)}, source="Ray")
         job = ray_tasks.RayCluster(
             config, command, {t: actor for t, (_, actor) in actors.items()}, env,
-            cwd or os.getcwd(), out, quiet, max_restarts)
+            cwd or os.getcwd(), out, max_restarts)
         if restarts == 0:
             nodes = sorted({a.rsplit(":", 1)[0] for a, _ in actors.values()})
             job._say(f"cluster: {config.describe()}; nodes {', '.join(nodes)}")

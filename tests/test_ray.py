@@ -317,3 +317,29 @@ def test_a_lost_chief_actor_restarts_the_job_from_its_backup(tmp_path):
     assert len(history["loss"]) == epochs
     assert 0 <= result["version"] - epochs * steps <= 4, result["version"]
     assert_nothing_left(str(tmp_path))
+
+
+@pytest.mark.ray
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_the_docs_page_examples_run(tmp_path):
+    """docs/ray.md's examples, which the docs test skips (Ray is an extra),
+    run here as pasted: the command in a fresh directory beside the clone's
+    examples/, the function block as a file of its own."""
+    from docblocks import parse_page
+
+    blocks = [b for b in parse_page("docs/ray.md")
+              if "make test-ray runs it" in (b.marker("skip") or "")]
+    assert [b.kind for b in blocks] == ["shell", "python"], blocks
+    os.symlink(os.path.join(REPO, "examples"), tmp_path / "examples")
+    (tmp_path / "example.py").write_text(blocks[1].code)
+    env = ray_env()
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env["PATH"]])
+    for argv, promise in ((["bash", "-eo", "pipefail", "-c", blocks[0].code],
+                           "[chief:0] Epoch 2/2"),
+                          (["python", "example.py"], "exit code 0")):
+        proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True,
+                              timeout=240, env=env)
+        assert proc.returncode == 0 and promise in proc.stdout, \
+            proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert_nothing_left(str(tmp_path))

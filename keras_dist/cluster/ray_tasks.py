@@ -234,17 +234,19 @@ class RayCluster(launch.Cluster):
         actors: Dict. `(role, index)` to the task's actor.
         env: Dict. Set in every task's environment (over the actor's own).
         cwd: String or `None`. The tasks' working directory, where it exists.
-        out: File. Where the prefixed output goes.
-        quiet: Boolean. Whether TensorFlow's C++ noise is dropped.
+        out: File. Where the prefixed output goes; TensorFlow's C++ noise
+            (`launch.NOISE`) is dropped unless `TF_CPP_MIN_LOG_LEVEL` is set
+            here or in `env`, as by the launcher.
         max_restarts: Integer. How often a worker may be restarted alone.
     """
 
-    def __init__(self, config, command, actors, env, cwd, out, quiet, max_restarts):
+    def __init__(self, config, command, actors, env, cwd, out, max_restarts):
         # Not launch.Cluster.__init__: the environment, the state directory
         # and the start-up hook's path are each actor's own, on its node.
         self.config, self.command, self.actors = config, command, actors
         self.env, self.cwd = env, cwd
-        self.console = launch._Console(out, quiet=quiet)
+        self.console = launch._Console(
+            out, quiet="TF_CPP_MIN_LOG_LEVEL" not in {**os.environ, **env})
         self.procs, self.all_procs, self.restarts = {}, [], {}
         self.max_restarts = max_restarts
         self._threads = []
