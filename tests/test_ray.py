@@ -49,6 +49,34 @@ def assert_nothing_left(marker, but=None):
     assert left() == ([], [])
 
 
+def fresh_python(code):
+    """Runs `code` in a fresh Python in the clone; returns its stdout."""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def drive(args, act):
+    """Runs `python -m keras_dist.ray ARGS`, calling `act(line, output so
+    far)` on each output line until it returns something; returns the
+    driver's exit code, its output and what `act` returned."""
+    driver = subprocess.Popen(RAY + args, cwd=REPO, env=ray_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    output, acted = [], None
+    try:
+        for line in driver.stdout:
+            output.append(line)
+            if acted is None:
+                acted = act(line, "".join(output))
+        driver.wait(300)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait()
+    return driver.returncode, "".join(output), acted
+
+
 # ---------------------------------------------------------------- no Ray needed
 @pytest.mark.multiprocess
 def test_import_keras_dist_and_help_import_neither_ray_nor_tensorflow():
@@ -62,11 +90,9 @@ def test_import_keras_dist_and_help_import_neither_ray_nor_tensorflow():
             "    assert exit.code == 0, exit.code\n"
             "print('loaded:', sorted(m for m in ('ray', 'tensorflow', 'keras')"
             " if m in sys.modules))\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
-                          text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    assert "usage: python -m keras_dist.ray" in proc.stdout
-    assert "loaded: []" in proc.stdout
+    out = fresh_python(code)
+    assert "usage: python -m keras_dist.ray" in out
+    assert "loaded: []" in out
 
 
 @pytest.mark.multiprocess
@@ -78,11 +104,9 @@ def test_without_ray_installed_the_error_names_the_extra():
             "    keras_dist.ray.run(['python', 'train.py'])\n"
             "except ImportError as error:\n"
             "    print(error)\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
-                          text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    assert "keras_dist.ray needs Ray, which is not installed here" in proc.stdout
-    assert "pip install 'keras-dist[ray]'" in proc.stdout
+    out = fresh_python(code)
+    assert "keras_dist.ray needs Ray, which is not installed here" in out
+    assert "pip install 'keras-dist[ray]'" in out
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -173,25 +197,15 @@ def test_a_killed_worker_is_restarted_on_its_actor_and_training_completes(tmp_pa
     """SIGKILL worker 1's process in epoch 3, from outside: its actor starts
     it again at its address and it contributes again (as under
     keras-dist-run: tests/test_async.py)."""
-    driver = subprocess.Popen(
-        RAY + ["--workers", "2", "--ps", "1", "--", sys.executable, "tests/scripts/ps_long.py",
-               str(tmp_path), "150"],
-        cwd=REPO, env=ray_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)
-    output, killed = [], None
-    try:
-        for line in driver.stdout:
-            output.append(line)
-            if killed is None and "[chief:0] Epoch 3/" in line:
-                killed = int(re.findall(r"started worker:1 \(pid (\d+) on ", "".join(output))[-1])
-                os.killpg(killed, signal.SIGKILL)
-        driver.wait(300)
-    finally:
-        if driver.poll() is None:
-            os.killpg(driver.pid, signal.SIGKILL)
-            driver.wait()
-    text = "".join(output)
-    assert killed is not None and driver.returncode == 0, text[-3000:]
+    def kill_worker_1(line, output):
+        if "[chief:0] Epoch 3/" in line:
+            pid = int(re.findall(r"started worker:1 \(pid (\d+) on ", output)[-1])
+            os.killpg(pid, signal.SIGKILL)
+            return pid
+
+    code, text, killed = drive(["--workers", "2", "--ps", "1", "--", sys.executable,
+                                "tests/scripts/ps_long.py", str(tmp_path), "150"], kill_worker_1)
+    assert killed is not None and code == 0, text[-3000:]
     assert "worker:1 exited with code -9; restarting it (1/3)" in text
     restarted = re.findall(r"started worker:1 \(pid (\d+) on ([\d.]+)\)", text)
     assert len(restarted) == 2 and int(restarted[1][0]) != killed, restarted
@@ -284,28 +298,19 @@ def test_a_lost_chief_actor_restarts_the_job_from_its_backup(tmp_path):
     on new actors, resuming from BackupAndRestore's newest backup; every
     update is counted (at least once, as under keras-dist-run)."""
     epochs, steps = 3, 23
-    driver = subprocess.Popen(
-        RAY + ["--workers", "2", "--ps", "1", "--", sys.executable,
-               "tests/scripts/preempt_train.py", str(tmp_path), str(tmp_path / "backup"),
-               str(epochs), "10"],
-        cwd=REPO, env=ray_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)
-    output, actor = [], None
-    try:
-        for line in driver.stdout:
-            output.append(line)
-            if actor is None and re.match(r"\[chief:0\] Epoch 2/", line):
-                chief = int(re.findall(r"started chief:0 \(pid (\d+) on ", "".join(output))[0])
-                with open(f"/proc/{chief}/stat") as f:
-                    actor = int(f.read().rsplit(")", 1)[1].split()[1])  # its parent
-                os.kill(actor, signal.SIGKILL)
-        driver.wait(300)
-    finally:
-        if driver.poll() is None:
-            os.killpg(driver.pid, signal.SIGKILL)
-            driver.wait()
-    text = "".join(output)
-    assert actor is not None and driver.returncode == 0, text[-4000:]
+    def kill_the_chiefs_actor(line, output):
+        if re.match(r"\[chief:0\] Epoch 2/", line):
+            chief = int(re.findall(r"started chief:0 \(pid (\d+) on ", output)[0])
+            with open(f"/proc/{chief}/stat") as f:
+                actor = int(f.read().rsplit(")", 1)[1].split()[1])  # its parent
+            os.kill(actor, signal.SIGKILL)
+            return actor
+
+    code, text, actor = drive(["--workers", "2", "--ps", "1", "--", sys.executable,
+                               "tests/scripts/preempt_train.py", str(tmp_path),
+                               str(tmp_path / "backup"), str(epochs), "10"],
+                              kill_the_chiefs_actor)
+    assert actor is not None and code == 0, text[-4000:]
     assert re.search(r"chief:0 was killed by SIGKILL; restarting the job \(1/3\), resuming "
                      r"from \S+backup\S*", text), text[-4000:]
     assert len(re.findall(r"cluster: 1 chief, 2 workers, 1 ps from Ray", text)) == 1
