@@ -25,7 +25,7 @@ test: $(STAMP)
 	exit $$rc
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir $(VENV)/site
 
-## test-ray: keras_dist.ray's tests on a local Ray (installs the ray extra; ~3.5 min on 2 cores)
+## test-ray: keras_dist.ray's tests on a local Ray (installs the ray extra; ~3 min on 2 cores)
 test-ray: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[ray]'
 	$(PY) -m pytest -m ray tests/test_ray.py
