@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test docs bench dist compat keras-suite clean
+.PHONY: demo test test-ray docs bench dist compat keras-suite clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -18,12 +18,17 @@ $(STAMP): pyproject.toml | $(PY)
 demo: $(STAMP)
 	$(VENV)/bin/keras-dist-run --workers 2 --ps 1 -- $(PY) examples/train_digits.py
 
-## test: the whole test suite (pytest exit 5, "no tests ran", counts as failure), then the docs build
+## test: the whole test suite but Ray's (pytest exit 5, "no tests ran", counts as failure), then the docs build
 test: $(STAMP)
-	@$(PY) -m pytest; rc=$$?; \
+	@$(PY) -m pytest -m "not ray"; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; \
 	exit $$rc
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir $(VENV)/site
+
+## test-ray: keras_dist.ray's tests on a local Ray (installs the ray extra; ~3 min on 2 cores)
+test-ray: $(STAMP)
+	$(PY) -m pip install --quiet -e '.[ray]'
+	$(PY) -m pytest -m ray tests/test_ray.py
 
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict --site-dir site

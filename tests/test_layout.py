@@ -13,8 +13,10 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "keras_dist"
 MODULES = sorted(p for p in PACKAGE.rglob("*.py"))
 
 # Where the environment may be read: the entry points above the run plan
-# (import-time checks, the launcher, the cluster description, the strategy
-# choice, fault injection, the flags of a user's script, the test toolkit)
+# (import-time checks, the launchers -- keras-dist-run, and on Ray the task
+# actors, whose tasks start from their node's environment -- the cluster
+# description, the strategy choice, fault injection, the flags of a user's
+# script, the test toolkit)
 # and the plan itself. Everything below `RunPlan.build` gets what it needs
 # from the plan.
 READS_ENVIRONMENT = {
@@ -24,6 +26,7 @@ READS_ENVIRONMENT = {
     "cluster/keepalive.py",
     "cluster/launch.py",
     "cluster/plain_fit.py",
+    "cluster/ray_tasks.py",
     "cluster/strategy.py",
     "faults.py",
     "flags.py",
@@ -109,8 +112,8 @@ def test_every_training_module_is_in_a_subpackage_by_job():
     # Public entry points and import-time plumbing only; the machinery is in
     # cluster/ and training/ (and optimizers/, callbacks/).
     assert top == ["__init__.py", "_compat.py", "_registration.py", "_runtime.py",
-                   "datasets.py", "faults.py", "flags.py", "launch.py", "recipes.py",
-                   "sharded.py", "testing.py", "versions.py"], top
+                   "datasets.py", "faults.py", "flags.py", "launch.py", "ray.py",
+                   "recipes.py", "sharded.py", "testing.py", "versions.py"], top
     # The subpackages: the four of machinery, the start-up hook, and one entry
     # point too large for a module, the simulator (`from keras_dist import
     # simulate`, its names re-exported by simulate/__init__.py).

@@ -9,8 +9,11 @@
   peers, gRPC settings; `ports`: is a task's port free for its server;
 - `launch`: the `keras-dist-run` launcher; `isolation`: its per-task
   process groups; `recipes`: the TFJob and SLURM files it emits;
+- `jobs`: a job restarted as a whole after a failure a restart can mend;
+- `ray_tasks`: the tasks as Ray actors (`keras_dist.ray`), `ray_call`: a
+  pickled function run as a task;
 - `plain_fit`: Keras' own `model.fit` refused on parameter-server tasks.
 
 Nothing here imports TensorFlow at import time except `strategy` and
-`serving`, so the launcher and the recipes start instantly.
+`serving`, nor Ray, so the launcher and the recipes start instantly.
 """

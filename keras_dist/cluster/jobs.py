@@ -1,0 +1,83 @@
+"""A job run to its end: restarted as a whole after a failure a restart can
+mend, stopped on Ctrl-C or SIGTERM.
+
+`run_jobs` holds the rules that `keras_dist.ray.run` follows with tasks on
+Ray actors; which task's failure a single task's restart mends is
+`launch.Cluster.wait`'s.
+"""
+
+import signal
+import threading
+
+from keras_dist.cluster import launch
+
+
+class TaskLost(Exception):
+    """A task cannot be started again where it ran (its machine is gone):
+    the job restarts as after a task killed by SIGKILL."""
+
+    def __init__(self, task):
+        super().__init__(f"{task[0]}:{task[1]} is lost")
+        self.task = task
+
+
+def run_jobs(new_cluster, max_restarts):
+    """Runs the job until it ends; returns the exit code of the whole run.
+
+    Args:
+        new_cluster: Callable. `new_cluster(restarts)` gives the job's
+            cluster (a `launch.Cluster`, not started) for its attempt after
+            `restarts` restarts.
+        max_restarts: Integer. How many times the job is restarted after a
+            task is killed or preempted (`launch.Failure.restartable`).
+
+    Returns:
+        The leader's exit code; for a task that failed the job, its code
+        (128 + the signal's number for a killed one); 130 when interrupted,
+        75 when the leader saved a backup and exited preempted meanwhile.
+    """
+    restarts = 0
+
+    def on_signal(signum, frame):
+        raise KeyboardInterrupt
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, on_signal) if main_thread else None
+    try:
+        while True:
+            cluster = new_cluster(restarts)
+            try:
+                cluster.start()
+                result = cluster.wait()
+            except TaskLost as lost:
+                result = launch.Failure(lost.task, -signal.SIGKILL)
+            except KeyboardInterrupt:
+                cluster._say("interrupted; stopping every task (each may save a backup)")
+                cluster.stop(grace=launch.PREEMPTION_WAIT)
+                leader = cluster.procs.get(cluster.leader)
+                cluster.cleanup()
+                return launch.PREEMPTED_EXIT_CODE if leader is not None and \
+                    leader.returncode == launch.PREEMPTED_EXIT_CODE else 130
+            backup = cluster.backup_in_force()
+            cluster.stop()
+            cluster.cleanup()
+            if not isinstance(result, launch.Failure):
+                return result
+            task = f"{result.task[0]}:{result.task[1]}"
+            # The shell's convention for a killed task: 128 + signal number.
+            code = result.code if result.code > 0 else 128 - result.code
+            if not result.restartable or max_restarts == 0:
+                cluster._say(f"{task} exited with code {result.code}; stopping the cluster")
+                return code
+            if restarts >= max_restarts:
+                cluster._say(f"{task} {result.why()}; the job has used its "
+                             f"{max_restarts} restarts; stopping the cluster")
+                return code
+            restarts += 1
+            resume = (f"resuming from {backup}" if backup else
+                      "no backup in force: starting afresh")
+            cluster._say(f"{task} {result.why()}; restarting the job "
+                         f"({restarts}/{max_restarts}), {resume}")
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,350 @@
+"""keras_dist.ray: a keras-dist cluster on a real local Ray, with real TF servers.
+
+The tests marked `ray` start Ray (`ray.init()`: a head node of its own
+processes, ~4 s) and whole clusters of TensorFlow tasks on its actors; they
+need the `ray` extra and run in `make test-ray`, not in `make test` (about
+3 minutes here). The others need neither Ray running nor installed.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from procs import ASYNC_LEARNS, REPO
+from test_launch import pids_with_marker
+
+RAY = [sys.executable, "-m", "keras_dist.ray"]
+ACTOR = "ray::TaskActor"  # what Ray names an actor's process
+
+
+def ray_env():
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "KERAS_DIST_STRATEGY")}
+    # The worktree's keras_dist on every actor and task, as on the driver.
+    env["PYTHONPATH"] = os.pathsep.join([REPO] + [p for p in env.get(
+        "PYTHONPATH", "").split(os.pathsep) if p])
+    env.update(TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1", RAY_DISABLE_USAGE_STATS="1")
+    return env
+
+
+def run_cli(args, timeout=300, **kwargs):
+    return subprocess.run(RAY + args, cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env=ray_env(), **kwargs)
+
+
+def assert_nothing_left(marker, but=None):
+    """No task process (their command lines hold `marker`; `but` the
+    driver's pid) and no task actor."""
+    def left():
+        return [p for p in pids_with_marker(marker) if p != but], pids_with_marker(ACTOR)
+
+    deadline = time.monotonic() + 30
+    while any(left()) and time.monotonic() < deadline:
+        time.sleep(0.2)  # Ray reaps a killed actor's process by itself
+    assert left() == ([], [])
+
+
+def fresh_python(code):
+    """Runs `code` in a fresh Python in the clone; returns its stdout."""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def drive(args, act):
+    """Runs `python -m keras_dist.ray ARGS`, calling `act(line, output so
+    far)` on each output line until it returns something; returns the
+    driver's exit code, its output and what `act` returned."""
+    driver = subprocess.Popen(RAY + args, cwd=REPO, env=ray_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    output, acted = [], None
+    try:
+        for line in driver.stdout:
+            output.append(line)
+            if acted is None:
+                acted = act(line, "".join(output))
+        driver.wait(300)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait()
+    return driver.returncode, "".join(output), acted
+
+
+# ---------------------------------------------------------------- no Ray needed
+@pytest.mark.multiprocess
+def test_import_keras_dist_and_help_import_neither_ray_nor_tensorflow():
+    code = ("import sys\n"
+            "import keras_dist\n"
+            "assert 'ray' not in sys.modules, 'import keras_dist imported ray'\n"
+            "import keras_dist.ray\n"
+            "try:\n"
+            "    keras_dist.ray.main(['--help'])\n"
+            "except SystemExit as exit:\n"
+            "    assert exit.code == 0, exit.code\n"
+            "print('loaded:', sorted(m for m in ('ray', 'tensorflow', 'keras')"
+            " if m in sys.modules))\n")
+    out = fresh_python(code)
+    assert "usage: python -m keras_dist.ray" in out
+    assert "loaded: []" in out
+
+
+@pytest.mark.multiprocess
+def test_without_ray_installed_the_error_names_the_extra():
+    code = ("import sys\n"
+            "sys.modules['ray'] = None  # as if not installed\n"
+            "import keras_dist.ray\n"
+            "try:\n"
+            "    keras_dist.ray.run(['python', 'train.py'])\n"
+            "except ImportError as error:\n"
+            "    print(error)\n")
+    out = fresh_python(code)
+    assert "keras_dist.ray needs Ray, which is not installed here" in out
+    assert "pip install 'keras-dist[ray]'" in out
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(target=[]), "`target` must be a command, a non-empty list of strings"),
+    (dict(target="python train.py"), "Received: target='python train.py'"),
+    (dict(workers=0), "`workers` must be an integer of at least 1. Received: workers=0."),
+    (dict(ps=-1), "`ps` must be an integer of at least 0. Received: ps=-1."),
+    (dict(max_restarts=True), "Received: max_restarts=True."),
+    (dict(env={"A": 1}), "`env` must be a dict of strings to strings"),
+    (dict(actor_options=["num_cpus"]), "`actor_options` must be a dict of Ray actor options"),
+])
+def test_bad_arguments_are_refused_naming_the_value(kwargs, message):
+    import keras_dist.ray
+
+    kwargs = {"target": ["python", "train.py"], **kwargs}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        keras_dist.ray.run(kwargs.pop("target"), **kwargs)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("args, message", [
+    (["--workers", "0", "--", "python", "x.py"],
+     "`--workers` must be an integer of at least 1. Received: workers=0."),
+    (["--max-restarts", "-1", "--", "python", "x.py"], "`--max-restarts` must be an integer"),
+    (["--workers", "2"], "no command given. Put it after --"),
+])
+def test_bad_command_lines_fail_fast_with_a_clear_message(args, message):
+    proc = run_cli(args, timeout=60)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+
+
+# ------------------------------------------------------------ on a local Ray
+@pytest.mark.ray
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_asynchronous_training_counts_every_update_once(tmp_path):
+    """ps_train.py (as tests/test_async.py runs it under keras-dist-run) on a
+    chief, 2 workers and 1 ps, each a Ray actor's process."""
+    proc = run_cli(["--workers", "2", "--ps", "1", "--", sys.executable,
+                    "tests/scripts/ps_train.py", str(tmp_path)])
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["test_accuracy"] >= ASYNC_LEARNS, result
+    # Exactly as many updates as steps scheduled: none lost, none doubled.
+    assert result["version"] == result["iterations"] == result["scheduled_steps"] == 180
+    per_worker = result["updates_per_worker"]
+    assert sorted(per_worker) == ["0", "1"] and all(v > 0 for v in per_worker.values())
+    assert sum(per_worker.values()) == result["scheduled_steps"] // 4
+    assert result["ring"] == {"taken": 180, "lost": 0}
+    assert result["last_epoch_examples_counted"] == 45 * 32
+    assert result["reloaded_predictions_match"]
+    # Every task's output comes back prefixed; the tasks found each other at
+    # the ports their actors chose on the node.
+    out = proc.stdout
+    assert "[keras-dist-ray] cluster: 1 chief, 2 workers, 1 ps from Ray; nodes " in out
+    assert "[chief:0] keras_dist: using parameter_server strategy" in out
+    served = re.findall(r"\[ps:0\] keras_dist: ps:0 serving at ([\d.]+:\d+)", out)
+    assert len(served) == 1 and not served[0].startswith("127."), served
+    assert "(pid=" not in out  # not Ray's prefix
+
+
+@pytest.mark.ray
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_multiworker_mirrored_workers_train_in_sync(tmp_path):
+    proc = run_cli(["--workers", "2", "--", sys.executable, "tests/scripts/mwms_worker.py",
+                    str(tmp_path)])
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    import numpy as np
+
+    infos = [json.loads((tmp_path / f"worker{i}.json").read_text()) for i in range(2)]
+    weights = [np.load(tmp_path / f"worker{i}.npz") for i in range(2)]
+    for info in infos:
+        assert info["replicas"] == 2
+        assert info["test_accuracy"] >= 0.9, info["test_accuracy"]
+        # 4 epochs of ceil(1437 / 64) = 23 steps, each applied once everywhere.
+        assert info["version"] == info["iterations"] == 4 * 23
+    assert infos[0]["history"] == infos[1]["history"]
+    for name in weights[0].files:
+        np.testing.assert_array_equal(weights[0][name], weights[1][name])
+
+
+@pytest.mark.ray
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_killed_worker_is_restarted_on_its_actor_and_training_completes(tmp_path):
+    """SIGKILL worker 1's process in epoch 3, from outside: its actor starts
+    it again at its address and it contributes again (as under
+    keras-dist-run: tests/test_async.py)."""
+    def kill_worker_1(line, output):
+        if "[chief:0] Epoch 3/" in line:
+            pid = int(re.findall(r"started worker:1 \(pid (\d+) on ", output)[-1])
+            os.killpg(pid, signal.SIGKILL)
+            return pid
+
+    code, text, killed = drive(["--workers", "2", "--ps", "1", "--", sys.executable,
+                                "tests/scripts/ps_long.py", str(tmp_path), "150"], kill_worker_1)
+    assert killed is not None and code == 0, text[-3000:]
+    assert "worker:1 exited with code -9; restarting it (1/3)" in text
+    restarted = re.findall(r"started worker:1 \(pid (\d+) on ([\d.]+)\)", text)
+    assert len(restarted) == 2 and int(restarted[1][0]) != killed, restarted
+    result = json.loads((tmp_path / "result.json").read_text())
+    # TF reruns a step whose worker died after it applied its update: at
+    # least once, counted, never lost.
+    assert 0 <= result["version"] - result["scheduled"] <= 4, result["version"]
+    assert result["test_accuracy"] >= ASYNC_LEARNS
+    after_kill = result["updates_per_epoch"][3:]
+    assert any(epoch.get("1", 0) > 0 for epoch in after_kill), after_kill
+    assert_nothing_left(str(tmp_path))
+
+
+@pytest.mark.ray
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_function_runs_on_every_task_and_nothing_is_left(tmp_path):
+    """The function form, from a fresh driver that starts Ray itself: each
+    task runs it in a process of its own; the leader's code is the result;
+    serving tasks that never end are stopped with their children."""
+    marker = f"kd-ray-{os.getpid()}-fn"
+    driver = tmp_path / "driver.py"
+    driver.write_text(
+        "import json, os, subprocess, sys, time\n"
+        "import keras_dist.ray\n"
+        "def task():\n"
+        "    me = json.loads(os.environ['TF_CONFIG'])['task']\n"
+        "    print('hello from', me['type'], me['index'], os.getpid())\n"
+        "    if me['type'] != 'chief':\n"
+        f"        subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', "
+        f"'{marker}'])\n"
+        f"        open('{tmp_path}/' + me['type'] + str(me['index']), 'w').close()\n"
+        "        time.sleep(600)  # a server that never ends by itself\n"
+        f"    while len(os.listdir('{tmp_path}')) < 4:  # the 3 others are up\n"
+        "        time.sleep(0.1)\n"
+        "    sys.exit(4)\n"
+        "sys.exit(keras_dist.ray.run(task, workers=2, ps=1))\n")
+    proc = subprocess.run([sys.executable, str(driver)], cwd=str(tmp_path), capture_output=True,
+                          text=True, timeout=240, env=ray_env())
+    assert proc.returncode == 4, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for task in ("chief 0", "worker 0", "worker 1", "ps 0"):
+        assert re.search(rf"^\[{task.replace(' ', ':')}\] hello from {task} \d+$", proc.stdout,
+                         re.MULTILINE), proc.stdout
+    assert_nothing_left(marker)
+
+
+@pytest.mark.ray
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_sigterm_to_the_driver_stops_every_task_and_actor(tmp_path):
+    marker = f"kd-ray-{os.getpid()}-term"
+    script = tmp_path / "task.py"
+    script.write_text(
+        "import subprocess, sys, time\n"
+        f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', '{marker}'])\n"
+        "print('started', flush=True)\n"
+        "time.sleep(600)\n")
+    driver = subprocess.Popen(
+        RAY + ["--workers", "2", "--ps", "1", "--", sys.executable, str(script), marker],
+        cwd=REPO, env=ray_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
+    output = []
+    try:
+        for line in driver.stdout:
+            output.append(line)
+            if sum("] started" in o and "[keras-dist-ray]" not in o for o in output) == 4:
+                break
+        tasks = [p for p in pids_with_marker(marker) if p != driver.pid]
+        assert len(tasks) == 8, "".join(output)  # 4 tasks, 4 children
+        driver.send_signal(signal.SIGTERM)
+        output.extend(driver.stdout)
+        driver.wait(120)
+        assert driver.returncode == 130, "".join(output)
+        assert "interrupted; stopping every task" in "".join(output)
+        assert_nothing_left(marker, but=driver.pid)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait()
+        for pid in pids_with_marker(marker):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.ray
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_lost_chief_actor_restarts_the_job_from_its_backup(tmp_path):
+    """SIGKILL the chief's actor (as when its node is lost) mid-epoch: its
+    task dies with it, every other task is stopped, and the job starts again
+    on new actors, resuming from BackupAndRestore's newest backup; every
+    update is counted (at least once, as under keras-dist-run)."""
+    epochs, steps = 3, 23
+    def kill_the_chiefs_actor(line, output):
+        if re.match(r"\[chief:0\] Epoch 2/", line):
+            chief = int(re.findall(r"started chief:0 \(pid (\d+) on ", output)[0])
+            with open(f"/proc/{chief}/stat") as f:
+                actor = int(f.read().rsplit(")", 1)[1].split()[1])  # its parent
+            os.kill(actor, signal.SIGKILL)
+            return actor
+
+    code, text, actor = drive(["--workers", "2", "--ps", "1", "--", sys.executable,
+                               "tests/scripts/preempt_train.py", str(tmp_path),
+                               str(tmp_path / "backup"), str(epochs), "10"],
+                              kill_the_chiefs_actor)
+    assert actor is not None and code == 0, text[-4000:]
+    assert re.search(r"chief:0 was killed by SIGKILL; restarting the job \(1/3\), resuming "
+                     r"from \S+backup\S*", text), text[-4000:]
+    assert len(re.findall(r"cluster: 1 chief, 2 workers, 1 ps from Ray", text)) == 1
+    assert len(re.findall(r"started chief:0 ", text)) == 2
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["restored_step"] is not None, result  # the second job resumed
+    history = {k: ((result["restored_history"] or {}).get(k, []) + v)
+               for k, v in result["history"].items()}
+    assert len(history["loss"]) == epochs
+    assert 0 <= result["version"] - epochs * steps <= 4, result["version"]
+    assert_nothing_left(str(tmp_path))
+
+
+@pytest.mark.ray
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_the_docs_page_examples_run(tmp_path):
+    """docs/ray.md's examples, which the docs test skips (Ray is an extra),
+    run here as pasted: the command in a fresh directory beside the clone's
+    examples/, the function block as a file of its own."""
+    from docblocks import parse_page
+
+    blocks = [b for b in parse_page("docs/ray.md")
+              if "make test-ray runs it" in (b.marker("skip") or "")]
+    assert [b.kind for b in blocks] == ["shell", "python"], blocks
+    os.symlink(os.path.join(REPO, "examples"), tmp_path / "examples")
+    (tmp_path / "example.py").write_text(blocks[1].code)
+    env = ray_env()
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env["PATH"]])
+    for argv, promise in ((["bash", "-eo", "pipefail", "-c", blocks[0].code],
+                           "[chief:0] Epoch 2/2"),
+                          (["python", "example.py"], "exit code 0")):
+        proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True,
+                              timeout=240, env=env)
+        assert proc.returncode == 0 and promise in proc.stdout, \
+            proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert_nothing_left(str(tmp_path))
