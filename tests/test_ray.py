@@ -348,3 +348,38 @@ def test_the_docs_page_examples_run(tmp_path):
         assert proc.returncode == 0 and promise in proc.stdout, \
             proc.stdout[-3000:] + proc.stderr[-3000:]
     assert_nothing_left(str(tmp_path))
+
+
+@pytest.mark.ray
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_taken_port_restarts_the_job_on_new_actors_and_ports(tmp_path):
+    """Another program listens on worker 1's port on its node: the task says
+    so in one line, its actor confirms it on that node, and the job restarts
+    on new ports (not worker 1 alone on the taken one)."""
+    state, out = tmp_path / "state", tmp_path / "out"
+    state.mkdir()
+    out.mkdir()
+    try:
+        proc = run_cli(["--workers", "2", "--ps", "1", "--", sys.executable,
+                        "tests/scripts/squat_port.py", "worker:1", str(state),
+                        "tests/scripts/ps_train.py", str(out)])
+        output = proc.stdout + proc.stderr
+        assert proc.returncode == 0, output[-6000:]
+        port = int(re.search(r"\[worker:1\] squat_port: another program now listens on port "
+                             r"(\d+)", output).group(1))
+        assert f"[worker:1] keras_dist.cluster.ports.PortInUseError: worker:1 cannot start " \
+               f"its TensorFlow server: port {port} is in use" in output, output[-6000:]
+        said = [line for line in output.splitlines()
+                if line.startswith("[keras-dist-ray]") and "restart" in line]
+        assert said == [
+            f"[keras-dist-ray] worker:1 could not listen on port {port}: it is in use by "
+            "another program; restarting the job on new ports (1/3), no backup in force: "
+            "starting afresh"], output[-6000:]
+        result = json.loads((out / "result.json").read_text())
+        assert result["version"] == result["iterations"] == result["scheduled_steps"] == 180
+    finally:
+        try:
+            os.kill(int((state / "squatter.pid").read_text()), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass

@@ -1,9 +1,10 @@
 """A job run to its end: restarted as a whole after a failure a restart can
 mend, stopped on Ctrl-C or SIGTERM.
 
-`run_jobs` holds the rules that `keras_dist.ray.run` follows with tasks on
-Ray actors; which task's failure a single task's restart mends is
-`launch.Cluster.wait`'s.
+`run_jobs` holds the rules that `keras-dist-run` (`launch.main`) and
+`keras_dist.ray.run` follow; which task's failure a single task's restart
+mends is `launch.Cluster.wait`'s. A new cluster is asked for on each
+restart, so the tasks get new ports (one taken meanwhile is not reused).
 """
 
 import signal
@@ -67,7 +68,9 @@ def run_jobs(new_cluster, max_restarts):
             # The shell's convention for a killed task: 128 + signal number.
             code = result.code if result.code > 0 else 128 - result.code
             if not result.restartable or max_restarts == 0:
-                cluster._say(f"{task} exited with code {result.code}; stopping the cluster")
+                said = result.why() if result.port is not None else (
+                    f"exited with code {result.code}")
+                cluster._say(f"{task} {said}; stopping the cluster")
                 return code
             if restarts >= max_restarts:
                 cluster._say(f"{task} {result.why()}; the job has used its "
@@ -76,7 +79,8 @@ def run_jobs(new_cluster, max_restarts):
             restarts += 1
             resume = (f"resuming from {backup}" if backup else
                       "no backup in force: starting afresh")
-            cluster._say(f"{task} {result.why()}; restarting the job "
+            where = " on new ports" if result.port is not None else ""
+            cluster._say(f"{task} {result.why()}; restarting the job{where} "
                          f"({restarts}/{max_restarts}), {resume}")
     finally:
         if main_thread:

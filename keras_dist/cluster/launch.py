@@ -182,28 +182,14 @@ class Cluster:
             stdin=subprocess.DEVNULL, start_new_session=True)
         self.procs[(role, index)] = proc
         self.all_procs.append(proc)
-        thread = threading.Thread(target=self._pump, args=(f"{role}:{index}", proc),
-                                  daemon=True)
+        name = f"{role}:{index}"
+        thread = threading.Thread(
+            target=pump, args=(proc, lambda text: self.console.line(name, text),
+                               lambda text: self.console.progress(name, text)),
+            daemon=True)
         thread.start()
         self._threads.append(thread)
         self._say(f"started {role}:{index} (pid {proc.pid})")
-
-    def _pump(self, name, proc):
-        decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        pending = ""
-        while True:
-            chunk = proc.stdout.read1(65536)
-            pending += decoder.decode(chunk, final=not chunk)
-            *lines, pending = pending.split("\n")
-            for line in lines:
-                self.console.line(name, _final_state(line))
-            if not chunk:
-                break
-            if "\r" in pending or "\b" in pending:  # a progress bar being redrawn
-                self.console.progress(name, _final_state(pending))
-        if pending:
-            self.console.line(name, _final_state(pending))
-        proc.stdout.close()
 
     def wait(self):
         """Waits for the leader (and, without ps, every worker); returns its
@@ -277,7 +263,11 @@ class Cluster:
         if self.procs[task].poll() in (None, 0):
             return None
         port = int(self.config.cluster[task[0]][task[1]].rpartition(":")[2])
-        return port if ports.port_in_use(port) else None
+        return port if self._port_in_use(task, port) else None
+
+    def _port_in_use(self, task, port):
+        """Whether `port` is taken where `task` runs (here, for this launcher)."""
+        return ports.port_in_use(port)
 
     def _wait_for(self, task, seconds):
         try:
@@ -288,11 +278,7 @@ class Cluster:
     def backup_in_force(self):
         """What the tasks' `BackupAndRestore` last reported as in force
         (`"<dir>/<backup>"`), or `None`."""
-        try:
-            with open(os.path.join(self.state_dir, "backup.json")) as f:
-                return json.load(f)["path"]
-        except (OSError, ValueError, KeyError):
-            return None
+        return read_backup_note(self.state_dir)
 
     def stop(self, grace=GRACE_SECONDS):
         """Stops every task: SIGTERM to each process group, SIGKILL after
@@ -320,6 +306,36 @@ class Cluster:
 
     def _say(self, text):
         self.console.line("keras-dist-run", text)
+
+
+def pump(proc, line, progress):
+    """Reads `proc`'s output to its end: `line(text)` for each line (as a
+    terminal would show it), `progress(text)` for a line being redrawn."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    pending = ""
+    while True:
+        chunk = proc.stdout.read1(65536)
+        pending += decoder.decode(chunk, final=not chunk)
+        *lines, pending = pending.split("\n")
+        for text in lines:
+            line(_final_state(text))
+        if not chunk:
+            break
+        if "\r" in pending or "\b" in pending:  # a progress bar being redrawn
+            progress(_final_state(pending))
+    if pending:
+        line(_final_state(pending))
+    proc.stdout.close()
+
+
+def read_backup_note(state_dir):
+    """The backup the tasks' `BackupAndRestore` last noted as in force in
+    `state_dir` (`STATE_ENV`), or `None`."""
+    try:
+        with open(os.path.join(state_dir, "backup.json")) as f:
+            return json.load(f)["path"]
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 NOISE = re.compile(
@@ -412,60 +428,25 @@ def main(argv=None):
     else:
         print("[keras-dist-run] warning: --no-isolate: the cluster's TensorFlow ports "
               "(no authentication) listen on every interface.", file=sys.stderr, flush=True)
-    restarts = 0
-    code = 1
+    from keras_dist.cluster import jobs  # it imports this module
 
-    def on_signal(signum, frame):
-        raise KeyboardInterrupt
+    where = "private network namespace" if args.in_namespace else "host network"
 
-    previous = signal.signal(signal.SIGTERM, on_signal)
-    try:
-        while True:
-            config = ClusterConfig.local(workers=args.workers, ps=args.ps,
-                                         evaluator=args.evaluator)
-            cluster = Cluster(config, args.command, max_restarts=args.max_restarts)
-            if restarts == 0:
-                where = "private network namespace" if args.in_namespace else "host network"
-                cluster._say(f"cluster: {config.describe()}; {where}")
-            try:
-                cluster.start()
-                result = cluster.wait()
-            except KeyboardInterrupt:
-                cluster._say("interrupted; stopping every task (each may save a backup)")
-                cluster.stop(grace=PREEMPTION_WAIT)
-                leader = cluster.procs.get(cluster.leader)
-                code = PREEMPTED_EXIT_CODE if leader is not None and \
-                    leader.returncode == PREEMPTED_EXIT_CODE else 130
-                cluster.cleanup()
-                break
-            backup = cluster.backup_in_force()
-            cluster.stop()
-            cluster.cleanup()
-            if not isinstance(result, Failure):
-                code = result
-                break
-            task = f"{result.task[0]}:{result.task[1]}"
-            code = result.code if result.code > 0 else 128 - result.code
-            if not result.restartable or args.max_restarts == 0:
-                # The shell's convention for a killed task: 128 + signal number.
-                said = result.why() if result.port is not None else (
-                    f"exited with code {result.code}")
-                cluster._say(f"{task} {said}; stopping the cluster")
-                break
-            if restarts >= args.max_restarts:
-                cluster._say(f"{task} {result.why()}; the job has used its "
-                             f"{args.max_restarts} restarts; stopping the cluster")
-                break
-            restarts += 1
-            resume = (f"resuming from {backup}" if backup else
-                      "no backup in force: starting afresh")
-            where = " on new ports" if result.port is not None else ""
-            cluster._say(f"{task} {result.why()}; restarting the job{where} "
-                         f"({restarts}/{args.max_restarts}), {resume}")
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    return code
+    def new_cluster(restarts):
+        # New free ports each time: a port taken meanwhile is not reused.
+        config = ClusterConfig.local(workers=args.workers, ps=args.ps,
+                                     evaluator=args.evaluator)
+        cluster = Cluster(config, args.command, max_restarts=args.max_restarts)
+        if restarts == 0:
+            cluster._say(f"cluster: {config.describe()}; {where}")
+        return cluster
+
+    return jobs.run_jobs(new_cluster, args.max_restarts)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # The module's own copy, not this `__main__` one: `jobs` checks results
+    # against `keras_dist.cluster.launch.Failure`.
+    from keras_dist.cluster.launch import main as _main
+
+    sys.exit(_main())

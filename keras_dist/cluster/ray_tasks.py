@@ -26,6 +26,7 @@ import threading
 
 from keras_dist.cluster import jobs
 from keras_dist.cluster import launch
+from keras_dist.cluster import ports
 from keras_dist.cluster import recipes
 
 READ_SECONDS = 1.0
@@ -56,7 +57,6 @@ class TaskActor:
         self.generation = 0
         self._lines, self._progress, self._drained = [], None, True
         self._changed = threading.Condition()
-        self.console = self  # for launch.Cluster._pump, which writes to self.console
 
     def address(self):
         return f"{self.host}:{self.port}"
@@ -103,19 +103,19 @@ class TaskActor:
         return self.proc.pid, self.generation
 
     def _read(self, proc):
-        launch.Cluster._pump(self, "", proc)  # calls self.line and self.progress
+        launch.pump(proc, self.line, self.progress)
         proc.wait()
         with self._changed:
             self._drained = True
             self._changed.notify_all()
 
-    def line(self, name, text):
+    def line(self, text):
         with self._changed:
             self._lines.append(text)
             self._progress = None
             self._changed.notify_all()
 
-    def progress(self, name, text):
+    def progress(self, text):
         with self._changed:
             self._progress = text
             self._changed.notify_all()
@@ -131,13 +131,17 @@ class TaskActor:
             self._changed.wait_for(
                 lambda: self._lines or self._progress or self._drained
                 or generation != self.generation, timeout)
-            backup = launch.Cluster.backup_in_force(self)  # reads self.state_dir
+            backup = launch.read_backup_note(self.state_dir)
             if generation != self.generation:
                 return [], None, None, backup
             lines, self._lines = self._lines, []
             progress, self._progress = self._progress, None
             done = self._drained and self.proc is not None
             return lines, progress, self.proc.returncode if done else None, backup
+
+    def port_in_use(self, port):
+        """Whether `port` is taken on this actor's node (`ports.port_in_use`)."""
+        return ports.port_in_use(port)
 
     def signal(self, signum):
         """Sends `signum` to the task's process group (for tests and users)."""
@@ -283,6 +287,15 @@ class RayCluster(launch.Cluster):
                 pass  # its node is gone, and its processes with it
         for thread in self._threads:
             thread.join(timeout=CALL_SECONDS)
+
+    def _port_in_use(self, task, port):
+        """Asks the task's actor: the port is on its node, not the driver's."""
+        import ray
+
+        try:
+            return ray.get(self.actors[task].port_in_use.remote(port), timeout=CALL_SECONDS)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return False  # its node is gone: a lost task, not a taken port
 
     def backup_in_force(self):
         """What the tasks' `BackupAndRestore` last reported as in force, the
