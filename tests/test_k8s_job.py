@@ -474,3 +474,13 @@ def test_the_variables_are_the_manifests():
     names = {item["name"] for item in _container(job)["env"]}
     assert {cluster.K8S_JOBS_ENV, k8s.JOB_NAME_ENV, k8s.SERVICE_ENV, k8s.PORT_ENV} <= names
     assert cluster.K8S_JOBS_ENV == "KERAS_DIST_K8S_JOBS"
+
+
+def test_the_manifest_the_docs_show_is_what_emit_k8s_prints():
+    import docblocks
+
+    blocks = docblocks.parse_page("docs/kubernetes-and-slurm.md")
+    (shown,) = [b for b in blocks if b.kind == "text" and "`digits-job.yaml` holds" in b.before]
+    assert shown.code.rstrip("\n") == recipes.k8s_job(
+        ["python", "examples/train_digits.py", "--epochs", "5"], workers=2, ps=1,
+        image="registry.example.com/digits:1", name="digits").rstrip("\n")
