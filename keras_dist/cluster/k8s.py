@@ -276,8 +276,9 @@ def _k8s_job(command, workers, ps, evaluator, image, name, namespace, port,
             # Preempted, evicted or drained by Kubernetes: the same.
             {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]},
         ]},
-        # A replacement starts once the old pod is gone: never two pods with
-        # one DNS name. (The default with a podFailurePolicy, said here.)
+        # A replacement starts once the old pod is gone: two pods of one index
+        # make TensorFlow fail ("Duplicate task registration"). The default
+        # with a podFailurePolicy, said here.
         "podReplacementPolicy": "Failed",
     }
     # Who must succeed, as the launcher waits: the chief, or without one
