@@ -28,8 +28,6 @@ import yaml
 from keras_dist import ClusterConfig, recipes
 from keras_dist.cluster import k8s
 
-kubernetes = pytest.importorskip("kubernetes", minversion="37")
-
 COMMAND = ["python", "train.py", "--epochs", "5"]
 IMAGE = "registry.example.com/train:1"
 SHAPES = [

@@ -52,8 +52,9 @@ GRACE_PERIOD = 30
 (`PREEMPTION_WAIT`) give a preempted task to back up and exit."""
 
 PREEMPTED_EXIT_CODE = 75
-"""What a task that backed up on SIGTERM exits with
-(`kd.callbacks.PREEMPTED_EXIT_CODE`, which imports Keras)."""
+"""What a task that backed up on SIGTERM exits with: the value of
+`kd.callbacks.PREEMPTED_EXIT_CODE`, repeated here because `kd.callbacks`
+imports Keras."""
 
 MIN_KUBERNETES = "1.31"
 """The oldest Kubernetes with every field the manifest uses on by default
@@ -110,9 +111,10 @@ def k8s_job(command, *, workers, ps=0, evaluator=False, image, name="keras-dist"
             it to `kubectl` (its `-n` or the current context). Defaults to
             `None`.
         port: Integer. The port every task serves on. Defaults to `2222`.
-        max_restarts: Integer. Failures each task's pod may have, not
-            counting preemptions, before the Job fails
-            (`backoffLimitPerIndex`). Defaults to `3`.
+        max_restarts: Integer. How many times each task's pod is replaced
+            after a failure, preemptions not counted
+            (`backoffLimitPerIndex`); its next failure fails the Job.
+            Defaults to `3`.
 
     Returns:
         The manifest, as YAML text: the Service, then the Job.
@@ -214,8 +216,8 @@ def _read_name(environ, key):
         raise ValueError(
             f"{key}={value!r} is not a Kubernetes name: use at most 63 lowercase "
             "letters, digits and '-', starting and ending with a letter or digit, "
-            f"as the manifest `keras-dist-run --emit k8s` prints sets it, e.g. "
-            f"{key}=digits.")
+            f"e.g. {key}=digits (the manifest `keras-dist-run --emit k8s` prints "
+            "sets it to the Job's name).")
     return value
 
 

@@ -377,9 +377,9 @@ def emit_from_args(args):
         if port is not None:
             raise ValueError(
                 f"--port applies to --emit tfjob and --emit k8s only. Received: "
-                f"--port {port} with "
-                f"--emit slurm, where keras-dist uses port {SLURM_PORT} on each node "
-                "(the next ones for further tasks on a node). Drop --port.")
+                f"--port {port} with --emit slurm, where keras-dist uses port "
+                f"{SLURM_PORT} on each node (the next ones for further tasks on a "
+                "node). Drop --port.")
         return _slurm(command, args.workers, args.ps, args.evaluator, name,
                       "01:00:00", None, 1, None, None, _CLI)
     raise ValueError(
