@@ -138,7 +138,7 @@ class _Workdirs:
 def _env():
     env = dict(os.environ)
     for name in ("TF_CONFIG", "KERAS_DIST_STRATEGY", "KERAS_DIST_SLOW_WORKER",
-                 "KERAS_DIST_SLURM_JOBS", "PYTHONPATH"):
+                 "KERAS_DIST_SLURM_JOBS", "KERAS_DIST_K8S_JOBS", "PYTHONPATH"):
         env.pop(name, None)
     env["PATH"] = VENV_BIN + os.pathsep + env.get("PATH", "")
     env["VIRTUAL_ENV"] = os.path.dirname(VENV_BIN)

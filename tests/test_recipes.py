@@ -499,10 +499,10 @@ def test_emit_from_args_matches_the_functions():
 @pytest.mark.parametrize("argv,message", [
     (["--emit", "tfjob"], r"--emit tfjob needs --image.*Received: no --image.*--image "),
     (["--emit", "tfjob", "--image", " "], r"--emit tfjob needs --image"),
-    (["--emit", "slurm", "--image", "img"], r"--image applies to --emit tfjob only\. "
-                                            r"Received: --image img.*Drop --image"),
-    (["--emit", "slurm", "--port", "2345"], r"--port applies to --emit tfjob only\. "
-                                            r"Received: --port 2345.*8888"),
+    (["--emit", "slurm", "--image", "img"], r"--image applies to --emit tfjob and --emit "
+                                            r"k8s only\. Received: --image img.*Drop --image"),
+    (["--emit", "slurm", "--port", "2345"], r"--port applies to --emit tfjob and --emit "
+                                            r"k8s only\. Received: --port 2345.*8888"),
     (["--emit", "tfjob", "--image", "img", "--job-name", "My_Job"],
      r"--job-name My_Job is not a valid TFJob name.*e\.g\. --job-name digits-async"),
     (["--emit", "tfjob", "--image", "img", "--port", "0"],
@@ -520,7 +520,7 @@ def test_emit_from_args_errors_name_the_flag_the_value_and_the_fix(argv, message
 
 
 def test_emit_from_args_without_emit_says_what_to_pass():
-    with pytest.raises(ValueError, match=r"--emit must be one of tfjob, slurm\. "
+    with pytest.raises(ValueError, match=r"--emit must be one of tfjob, k8s, slurm\. "
                                          r"Received: --emit None"):
         recipes.emit_from_args(_args("--", *COMMAND))
 

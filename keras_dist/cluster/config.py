@@ -3,9 +3,9 @@
 The same convention as TensorFlow and Kubeflow's TFJob: a cluster is a mapping
 from role (`chief`, `worker`, `ps`, `evaluator`) to a list of `host:port`
 addresses, and a task is one `(role, index)` pair in it. A `ClusterConfig` is
-read from `TF_CONFIG`, from SLURM, from an explicit dict, or made up on
-loopback for a local cluster; it is validated once, on construction, so every
-later step can trust it.
+read from `TF_CONFIG`, from a Kubernetes Job's pod, from SLURM, from an
+explicit dict, or made up on loopback for a local cluster; it is validated
+once, on construction, so every later step can trust it.
 """
 
 import dataclasses
@@ -28,7 +28,14 @@ Comma-separated `role:count` pairs, e.g. `"chief:1,ps:1,worker:2"`; read by
 `--emit slurm` recipes of `keras-dist-run` export it.
 """
 
-_SLURM_JOBS_EXAMPLE = f"{SLURM_JOBS_ENV}=chief:1,ps:1,worker:2"
+K8S_JOBS_ENV = "KERAS_DIST_K8S_JOBS"
+"""Environment variable naming the roles of a Kubernetes Indexed Job's pods.
+
+The same form as `SLURM_JOBS_ENV` (e.g. `"chief:1,ps:1,worker:2"`); the
+Job manifests of `keras-dist-run --emit k8s` set it. When it is set (and
+`TF_CONFIG` is not), `ClusterConfig.from_env()` reads the pod's cluster with
+`ClusterConfig.from_kubernetes()`.
+"""
 
 _TF_CONFIG_EXAMPLE = (
     '{"cluster": {"worker": ["host1:2222", "host2:2222"]}, '
@@ -40,8 +47,9 @@ _TF_CONFIG_EXAMPLE = (
 class ClusterConfig:
     """A validated description of a TensorFlow cluster and of this task in it.
 
-    Build one with `ClusterConfig.from_env()` (reads `TF_CONFIG`, then SLURM),
-    `ClusterConfig.from_tf_config(...)`, `ClusterConfig.from_slurm(...)`,
+    Build one with `ClusterConfig.from_env()` (reads `TF_CONFIG`, then a
+    Kubernetes Job's pod, then SLURM), `ClusterConfig.from_tf_config(...)`,
+    `ClusterConfig.from_kubernetes(...)`, `ClusterConfig.from_slurm(...)`,
     `ClusterConfig.from_dict(...)` or `ClusterConfig.local(...)`. The
     constructor validates its arguments and raises `ValueError` naming the bad
     field, the received value and the fix.
@@ -56,7 +64,8 @@ class ClusterConfig:
         rpc_layer: String. Transport TensorFlow uses between tasks.
             Defaults to `"grpc"`.
         source: String. Where the description came from (`"TF_CONFIG"`,
-            `"SLURM"`, `"dict"`, `"local"`), used in log lines and errors.
+            `"Kubernetes"`, `"SLURM"`, `"dict"`, `"local"`), used in log
+            lines and errors.
 
     Example:
 
@@ -344,11 +353,66 @@ class ClusterConfig:
                    source="SLURM")
 
     @classmethod
+    def from_kubernetes(cls, environ=None):
+        """Reads the cluster of a pod of a `keras-dist-run --emit k8s` Job.
+
+        Kubernetes gives each pod of an Indexed Job its index,
+        `JOB_COMPLETION_INDEX`; the manifest adds the roles
+        (`KERAS_DIST_K8S_JOBS`, the module constant `K8S_JOBS_ENV`), the Job's
+        name, its headless Service and the port. Indexes go to roles as SLURM
+        ranks do (`from_slurm`): roles in alphabetical order of their names,
+        `chief`, `evaluator`, `ps`, `worker`, each taking the next indexes.
+        Task `i` is at `<job>-<i>.<service>:<port>`, the DNS name Kubernetes
+        gives pod `i` of the Job through the Service. Reads only `environ`
+        and never writes the process environment. See
+        `keras_dist.cluster.k8s` for the variables.
+
+        Args:
+            environ: Mapping or `None`. Environment to read; defaults to
+                `os.environ`.
+
+        Returns:
+            This pod's `ClusterConfig`, validated.
+
+        Example:
+
+        >>> import keras_dist as kd
+        >>> env = {"JOB_COMPLETION_INDEX": "1",
+        ...        "KERAS_DIST_K8S_JOBS": "chief:1,worker:2,ps:1",
+        ...        "KERAS_DIST_K8S_JOB_NAME": "digits",
+        ...        "KERAS_DIST_K8S_SERVICE": "digits",
+        ...        "KERAS_DIST_K8S_PORT": "2222"}
+        >>> config = kd.ClusterConfig.from_kubernetes(env)
+        >>> config.task_type, config.task_index, config.address
+        ('ps', 0, 'digits-1.digits:2222')
+        >>> config.cluster["worker"]
+        ('digits-2.digits:2222', 'digits-3.digits:2222')
+
+        Raises:
+            ValueError: outside a pod of an Indexed Job (no
+                `JOB_COMPLETION_INDEX`), for an index outside the roles'
+                tasks, or a malformed or missing variable, naming it, its
+                value and the fix.
+        """
+        from keras_dist.cluster import k8s
+
+        env = os.environ if environ is None else environ
+        cluster, task_type, task_index = k8s.read_pod(env)
+        try:
+            return cls(cluster=cluster, task_type=task_type, task_index=task_index,
+                       source="Kubernetes")
+        except ValueError as error:
+            raise ValueError(
+                f"{error} (Roles from {K8S_JOBS_ENV}={env[K8S_JOBS_ENV]!r}.)") from None
+
+    @classmethod
     def from_env(cls, environ=None):
         """Reads the cluster this process belongs to, if any.
 
         Order: `TF_CONFIG` if set and non-empty (Kubeflow TFJob, our launcher,
-        hand-written); else a SLURM job step with more than one task
+        hand-written); else a pod of a `keras-dist-run --emit k8s` Job
+        (`KERAS_DIST_K8S_JOBS` set and naming more than one task, read with
+        `from_kubernetes`); else a SLURM job step with more than one task
         (`SLURM_STEP_NUM_TASKS > 1`, read with `from_slurm`); else `None` (a
         single machine, no cluster).
 
@@ -389,15 +453,22 @@ class ClusterConfig:
         {'chief': 1, 'ps': 1, 'worker': 2}
 
         Raises:
-            ValueError: for a malformed `TF_CONFIG` or
+            ValueError: for a malformed `TF_CONFIG`, `KERAS_DIST_K8S_JOBS` or
                 `KERAS_DIST_SLURM_JOBS` (naming the variable, the value, the
-                bad part and the right form), or a SLURM step that does not
-                match it.
+                bad part and the right form), a pod that is not one of the
+                Job's (see `from_kubernetes`), or a SLURM step that does not
+                match its roles.
         """
         env = os.environ if environ is None else environ
         text = env.get("TF_CONFIG", "").strip()
         if text:
             return cls.from_tf_config(text)
+        # Kubernetes before SLURM: KERAS_DIST_K8S_JOBS is keras-dist's own
+        # variable, which only a Job manifest sets, a surer sign than SLURM's.
+        k8s_jobs = _parse_slurm_jobs(env.get(K8S_JOBS_ENV), K8S_JOBS_ENV)
+        if k8s_jobs is not None:
+            # One task: a single machine, as for a one-task SLURM step.
+            return cls.from_kubernetes(env) if sum(k8s_jobs.values()) > 1 else None
         if int(env.get("SLURM_STEP_NUM_TASKS", "1") or 1) > 1:
             jobs_text = env.get(SLURM_JOBS_ENV, "")
             jobs = _parse_slurm_jobs(jobs_text)
@@ -577,8 +648,9 @@ def free_ports(count, host="127.0.0.1"):
             sock.close()
 
 
-def _parse_slurm_jobs(text):
-    """`{role: count}` from `KERAS_DIST_SLURM_JOBS`, or `None` when unset.
+def _parse_slurm_jobs(text, variable=SLURM_JOBS_ENV):
+    """`{role: count}` from `KERAS_DIST_SLURM_JOBS` (or `variable`, which
+    has the same form), or `None` when unset.
 
     Roles with count 0 are dropped. Raises `ValueError` naming the variable,
     the value, the bad part and an example of the right form.
@@ -589,9 +661,9 @@ def _parse_slurm_jobs(text):
 
     def bad(problem):
         return ValueError(
-            f"{SLURM_JOBS_ENV}={text!r} is malformed: {problem}. Write "
+            f"{variable}={text!r} is malformed: {problem}. Write "
             f"comma-separated role:count pairs with roles from "
-            f"{', '.join(ROLES)}, e.g. {_SLURM_JOBS_EXAMPLE}."
+            f"{', '.join(ROLES)}, e.g. {variable}=chief:1,ps:1,worker:2."
         )
 
     for part in text.split(","):

@@ -1,11 +1,13 @@
 r"""Cluster recipes: the tasks of `keras-dist-run`, for Kubernetes or SLURM.
 
 `keras-dist-run --workers 2 --ps 1 -- python train.py` starts a chief, two
-workers and a parameter server on this machine. With `--emit tfjob` or
-`--emit slurm` it prints, instead, a Kubeflow TFJob manifest or a SLURM batch
-script that starts the same tasks running the same command on a real
-cluster, and exits without starting anything. There the training operator
-(TFJob) or SLURM tells each task its role; keras-dist reads it with
+workers and a parameter server on this machine. With `--emit tfjob`,
+`--emit k8s` or `--emit slurm` it prints, instead, a Kubeflow TFJob manifest,
+a plain Kubernetes Job (no operator; `k8s_job`, from
+`keras_dist.cluster.k8s`) or a SLURM batch script that starts the same tasks
+running the same command on a real cluster, and exits without starting
+anything. There the training operator (TFJob), the Job's pod index or SLURM
+tells each task its role; keras-dist reads it with
 `ClusterConfig.from_env()`, as it reads `TF_CONFIG` from the launcher.
 
 This module is plain Python: it imports neither TensorFlow nor Keras, so the
@@ -35,13 +37,14 @@ import textwrap
 from keras_dist.cluster.config import SLURM_JOBS_ENV
 from keras_dist.cluster.slurm import role_ranks
 
-__all__ = ["add_arguments", "emit_from_args", "slurm", "tfjob"]
+__all__ = ["add_arguments", "emit_from_args", "k8s_job", "slurm", "tfjob"]
 
-FORMATS = ("tfjob", "slurm")
+FORMATS = ("tfjob", "k8s", "slurm")
 """What `--emit` accepts."""
 
 DEFAULT_PORT = 2222
-"""The TFJob port: the training operator's default (`tfjob-port`)."""
+"""The TFJob's and the Kubernetes Job's port: the training operator's default
+(`tfjob-port`)."""
 
 SLURM_PORT = 8888
 """First port on each node under SLURM (`ClusterConfig.from_slurm` default)."""
@@ -275,7 +278,7 @@ def slurm(command, *, workers, ps=0, evaluator=False, name="keras-dist",
 def add_arguments(parser):
     """Adds the recipe options to `keras-dist-run`'s argument parser.
 
-    `--emit {tfjob,slurm}` (dest `emit`, default `None`: run locally),
+    `--emit {tfjob,k8s,slurm}` (dest `emit`, default `None`: run locally),
     `--image` (dest `image`), `--job-name` (dest `job_name`, default
     `"keras-dist"`) and `--port` (dest `port`, default `None`: 2222). Pass
     the parsed arguments to `emit_from_args`.
@@ -298,19 +301,21 @@ def add_arguments(parser):
     """
     group = parser.add_argument_group(
         "cluster recipes",
-        "print a Kubeflow TFJob manifest or a SLURM batch script for the same "
-        "tasks and command, instead of starting them here")
+        "print a Kubeflow TFJob manifest, a plain Kubernetes Job or a SLURM batch "
+        "script for the same tasks and command, instead of starting them here")
     group.add_argument("--emit", choices=FORMATS, default=None,
                        help="print a recipe and exit without starting anything: "
-                            "'tfjob' (for kubectl apply -f) or 'slurm' (for sbatch)")
+                            "'tfjob' (Kubeflow's operator) or 'k8s' (an Indexed Job "
+                            "and a Service, no operator), for kubectl apply -f; "
+                            "'slurm' (for sbatch)")
     group.add_argument("--image", default=None,
-                       help="with --emit tfjob (required): the container image every "
-                            "pod runs, with the script and keras-dist installed")
+                       help="with --emit tfjob or k8s (required): the container image "
+                            "every pod runs, with the script and keras-dist installed")
     group.add_argument("--job-name", default="keras-dist", dest="job_name", metavar="NAME",
-                       help="with --emit: the TFJob or SLURM job name "
+                       help="with --emit: the TFJob's, Job's or SLURM job's name "
                             "(default keras-dist)")
     group.add_argument("--port", type=int, default=None,
-                       help=f"with --emit tfjob: the port every task serves on "
+                       help=f"with --emit tfjob or k8s: the port every task serves on "
                             f"(default {DEFAULT_PORT})")
     return group
 
@@ -325,7 +330,8 @@ def emit_from_args(args):
             `max_restarts` is used when present.
 
     Returns:
-        The TFJob manifest or SLURM batch script, as text.
+        The TFJob manifest, Kubernetes Job manifest or SLURM batch script, as
+        text.
 
     Example:
 
@@ -339,8 +345,8 @@ def emit_from_args(args):
 
     Raises:
         ValueError: naming the flag, the value received and the fix, e.g.
-            for `--emit tfjob` without `--image`, or `--image` or `--port`
-            with `--emit slurm`.
+            for `--emit tfjob` or `--emit k8s` without `--image`, or
+            `--image` or `--port` with `--emit slurm`.
     """
     emit = getattr(args, "emit", None)
     command = list(args.command or ())
@@ -348,26 +354,32 @@ def emit_from_args(args):
         command = command[1:]
     image, port = getattr(args, "image", None), getattr(args, "port", None)
     name = getattr(args, "job_name", "keras-dist")
-    if emit == "tfjob":
+    if emit in ("tfjob", "k8s"):
         if image is None or not str(image).strip():
             raise ValueError(
-                "--emit tfjob needs --image: the container image every pod runs, "
+                f"--emit {emit} needs --image: the container image every pod runs, "
                 "with your script and keras-dist installed. Received: no --image. "
                 "Add e.g. --image registry.example.com/train:1.")
-        return _tfjob(command, args.workers, args.ps, args.evaluator, image, name,
-                      None, DEFAULT_PORT if port is None else port,
-                      getattr(args, "max_restarts", 3), _CLI)
+        pod_args = (command, args.workers, args.ps, args.evaluator, image, name, None,
+                    DEFAULT_PORT if port is None else port,
+                    getattr(args, "max_restarts", 3), _CLI)
+        if emit == "k8s":
+            from keras_dist.cluster import k8s  # a module of its own, built on this one
+
+            return k8s._k8s_job(*pod_args)
+        return _tfjob(*pod_args)
     if emit == "slurm":
         if image is not None:
             raise ValueError(
-                f"--image applies to --emit tfjob only. Received: --image {image} "
-                "with --emit slurm, where the tasks run in the nodes' own "
-                "environment. Drop --image.")
+                f"--image applies to --emit tfjob and --emit k8s only. Received: "
+                f"--image {image} with --emit slurm, where the tasks run in the "
+                "nodes' own environment. Drop --image.")
         if port is not None:
             raise ValueError(
-                f"--port applies to --emit tfjob only. Received: --port {port} with "
-                f"--emit slurm, where keras-dist uses port {SLURM_PORT} on each node "
-                "(the next ones for further tasks on a node). Drop --port.")
+                f"--port applies to --emit tfjob and --emit k8s only. Received: "
+                f"--port {port} with --emit slurm, where keras-dist uses port "
+                f"{SLURM_PORT} on each node (the next ones for further tasks on a "
+                "node). Drop --port.")
         return _slurm(command, args.workers, args.ps, args.evaluator, name,
                       "01:00:00", None, 1, None, None, _CLI)
     raise ValueError(
@@ -382,20 +394,9 @@ def _tfjob(command, workers, ps, evaluator, image, name, namespace, port,
     counts = _counts(workers, ps, evaluator, names)
     _check_int(port, "port", 1, names, upper=65535)
     _check_int(max_restarts, "max_restarts", 0, names)
-    if not isinstance(image, str) or not image.strip() or any(
-            c.isspace() for c in image):
-        raise ValueError(
-            f"The container image must be a non-empty name without spaces. "
-            f"Received: {_show('image', image, names)}. Use e.g. "
-            f"{_show('image', 'registry.example.com/train:1', names)}.")
+    _check_image(image, names)
     _check_k8s_name(name, counts, names)
-    if namespace is not None and not (
-            isinstance(namespace, str) and len(namespace) <= 63
-            and _DNS_1123.fullmatch(namespace)):
-        raise ValueError(
-            f"{_show('namespace', namespace, names)} is not a Kubernetes namespace "
-            "name: use at most 63 lowercase letters, digits and '-', starting and "
-            "ending with a letter or digit, e.g. namespace='training'.")
+    _check_namespace(namespace, names)
 
     container = {
         "name": _CONTAINER,
@@ -474,6 +475,25 @@ def _scalar(value):
     return '"' + "".join(
         f"\\U{ord(c):08x}" if ord(c) > 0xFFFF else json.dumps(c)[1:-1]
         for c in value) + '"'
+
+
+def _check_image(image, names):
+    if not isinstance(image, str) or not image.strip() or any(
+            c.isspace() for c in image):
+        raise ValueError(
+            f"The container image must be a non-empty name without spaces. "
+            f"Received: {_show('image', image, names)}. Use e.g. "
+            f"{_show('image', 'registry.example.com/train:1', names)}.")
+
+
+def _check_namespace(namespace, names):
+    if namespace is not None and not (
+            isinstance(namespace, str) and len(namespace) <= 63
+            and _DNS_1123.fullmatch(namespace)):
+        raise ValueError(
+            f"{_show('namespace', namespace, names)} is not a Kubernetes namespace "
+            "name: use at most 63 lowercase letters, digits and '-', starting and "
+            "ending with a letter or digit, e.g. namespace='training'.")
 
 
 def _check_k8s_name(name, counts, names):
@@ -582,19 +602,21 @@ def _slurm(command, workers, ps, evaluator, name, time, partition, tasks_per_nod
     return "\n".join(lines) + "\n"
 
 
-def _slurm_ranks(counts):
+def _slurm_ranks(counts, words=("rank", "ranks")):
     """Which ranks each role gets, in words (`ClusterConfig.from_slurm`'s
     order, `keras_dist.cluster.slurm.role_ranks`), e.g. `rank 0 is the
-    chief, ranks 1-2 are workers 0-1`."""
+    chief, ranks 1-2 are workers 0-1`; `words` names them otherwise (a
+    Kubernetes Job's indexes)."""
+    one, many = words
     parts = []
     for role, ranks in role_ranks(counts).items():
         n = len(ranks)
         if n == 1:
             who = f"the {role}" if role in ("chief", "evaluator") else f"{role} 0"
-            parts.append(f"rank {ranks.start} is {who}")
+            parts.append(f"{one} {ranks.start} is {who}")
         elif n:
             plural = role if role == "ps" else role + "s"
-            parts.append(f"ranks {ranks.start}-{ranks[-1]} are {plural} 0-{n - 1}")
+            parts.append(f"{many} {ranks.start}-{ranks[-1]} are {plural} 0-{n - 1}")
     return ", ".join(parts)
 
 
@@ -665,3 +687,13 @@ def _show(key, value, names):
     if key in names:
         return f"{names[key]} {value}"
     return f"{key}={value!r}"
+
+
+# The plain Kubernetes Job has a module of its own, built on the helpers above:
+# `k8s_job` is looked up there on first use, so either module can load first.
+def __getattr__(name):
+    if name == "k8s_job":
+        from keras_dist.cluster.k8s import k8s_job
+
+        return k8s_job
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,6 +1,7 @@
 """One task of a 2-process MultiWorkerMirrored test: trains and saves results.
 
-Run by tests/test_fit_multiworker.py with TF_CONFIG set. argv: out_dir.
+Run by tests/test_fit_multiworker.py with TF_CONFIG set, and by
+tests/test_k8s_cluster.py as the pods of a Kubernetes Job. argv: out_dir.
 """
 
 import json
@@ -43,8 +44,8 @@ def main(out_dir):
     own = model.evaluate(x_test, y_test, return_dict=True, verbose=0)
     predicted = model.predict(x_test, batch_size=50, verbose=0)
     same_predictions = bool(np.array_equal(predicted, kd.predict(model, x_test, verbose=0)))
-    task = json.loads(os.environ["TF_CONFIG"])["task"]
-    name = f"{task['type']}{task['index']}"
+    task = kd.ClusterConfig.from_env()  # TF_CONFIG, or a Kubernetes Job's pod
+    name = f"{task.task_type}{task.task_index}"
     np.savez(os.path.join(out_dir, f"{name}.npz"), *model.get_weights())
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump({"history": history.history, "test_accuracy": acc,

@@ -1,0 +1,407 @@
+"""The pods of a `keras-dist-run --emit k8s` Job, run as a real cluster.
+
+No Kubernetes here: each pod of the emitted Job is a process on a virtual
+host of its own (tests/netns.py: a network namespace with its own 10.x
+address on a private switch), so that every pod serves on the SAME port, as
+pods do. The pods' DNS names, `<job>-<index>.<service>`, resolve to those
+addresses through a hosts file per namespace (`ip netns exec NAME` mounts
+/etc/netns/NAME/hosts over /etc/hosts), as the headless Service makes
+Kubernetes' DNS resolve them. Each pod process gets ONLY the environment its
+container would get: the manifest's `env` entries, what Kubernetes adds
+(`JOB_COMPLETION_INDEX`, `HOSTNAME`), and PATH, PYTHONPATH and HOME to run
+Python; no `TF_CONFIG`. It runs the manifest's command and arguments
+unchanged.
+
+`Job` stands in for the Job controller, reading its rules from the
+manifest: every index starts at once; a failed pod is replaced as the
+`podFailurePolicy` says (Ignore: not counted; else counted against
+`backoffLimitPerIndex`); a preempted pod gets the DisruptionTarget
+condition, SIGTERM, and SIGKILL after `terminationGracePeriodSeconds`; the
+Job is complete when the `successPolicy` indexes (else all) have succeeded,
+and the pods still running are then stopped. Runs: asynchronous training
+and MultiWorkerMirrored, then a preempted chief, a lost parameter server and
+a lost MultiWorkerMirrored worker, each restarted by index, not as a whole
+job as keras-dist-run does.
+
+Needs root and iproute2 (CI has both); skipped elsewhere with the reason.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import yaml
+
+import netns
+from procs import ASYNC_LEARNS, REPO, kill_groups
+
+from keras_dist import recipes
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
+
+REASON = netns.available()
+needs_hosts = pytest.mark.skipif(REASON is not None,
+                                 reason=f"virtual hosts unavailable: {REASON}")
+SCRIPTS = os.path.join(REPO, "tests", "scripts")
+
+
+class Job:
+    """The pods of an emitted manifest, each on a virtual host of its own,
+    run by the manifest's own rules: a small stand-in for the Job controller."""
+
+    def __init__(self, text, hosts, log_dir):
+        self.service, self.job = yaml.safe_load_all(text)
+        assert (self.service["kind"], self.job["kind"]) == ("Service", "Job")
+        self.name = self.job["metadata"]["name"]
+        self.spec = self.job["spec"]
+        self.hosts, self.log_dir = hosts, log_dir
+        self.tasks = self.spec["completions"]
+        assert self.spec["parallelism"] == self.tasks == hosts.count
+        pod = self.spec["template"]["spec"]
+        assert pod["restartPolicy"] == "Never"  # a new pod per restart, as here
+        self.subdomain = pod["subdomain"]
+        assert self.subdomain == self.service["metadata"]["name"]
+        self.grace = pod["terminationGracePeriodSeconds"]
+        (self.container,) = pod["containers"]
+        self.pods = {}          # index -> the running (or last) pod's process
+        self.started = {}       # index -> how many pods it has had
+        self.failures = {}      # index -> failures counted against its limit
+        self.events = []        # (index, exit code, action taken)
+        self.disrupted = {}     # index -> when Kubernetes told the pod to go
+        self.etc = []
+
+    def hostname(self, index):
+        return f"{self.name}-{index}"  # what Kubernetes names an Indexed Job's pod host
+
+    def write_hosts_files(self):
+        """What the headless Service makes DNS answer, in every namespace."""
+        lines = ["127.0.0.1 localhost"] + [
+            f"{address} {self.hostname(i)}.{self.subdomain} {self.hostname(i)}"
+            for i, address in enumerate(self.hosts.addresses)]
+        if not os.path.isdir("/etc/netns"):
+            self.etc.append("/etc/netns")  # removed last, if no one else uses it
+        for namespace in self.hosts.names:
+            directory = os.path.join("/etc/netns", namespace)
+            os.makedirs(directory)
+            self.etc.append(directory)
+            with open(os.path.join(directory, "hosts"), "w") as f:
+                f.write("\n".join(lines) + "\n")
+
+    def pod_env(self, index):
+        env = {}
+        for item in self.container["env"]:
+            assert set(item) == {"name", "value"}, item  # no downward API to fill in
+            env[item["name"]] = item["value"]
+        env.update(JOB_COMPLETION_INDEX=str(index), HOSTNAME=self.hostname(index),
+                   PATH=os.environ["PATH"], PYTHONPATH=REPO,
+                   HOME=str(self.log_dir / "home"))
+        return env
+
+    def start(self, index):
+        command = self.container["command"] + self.container.get("args", [])
+        self.started[index] = self.started.get(index, 0) + 1
+        self.pods[index] = self.hosts.start(
+            index, command, env=self.pod_env(index),
+            log_path=str(self.log_dir / f"pod{index}-{self.started[index]}.log"))
+
+    def preempt(self, index):
+        """What Kubernetes does to a pod it preempts: the DisruptionTarget
+        condition, SIGTERM, and SIGKILL after the grace period."""
+        self.disrupted[index] = time.monotonic()
+        os.killpg(self.pods[index].pid, signal.SIGTERM)
+
+    def action(self, index, code):
+        """The manifest's podFailurePolicy for a pod that failed with `code`:
+        the first rule that matches, else Count."""
+        for rule in self.spec.get("podFailurePolicy", {}).get("rules", []):
+            codes = rule.get("onExitCodes")
+            if codes is not None and codes.get("containerName") in (
+                    None, self.container["name"]):
+                inside = code in codes["values"]
+                if inside == (codes["operator"] == "In"):
+                    return rule["action"]
+            for condition in rule.get("onPodConditions", []):
+                if condition["type"] == "DisruptionTarget" and index in self.disrupted:
+                    return rule["action"]
+        return "Count"
+
+    def run(self, timeout, restarts=False, tick=lambda job: None):
+        """Starts every pod at once; returns `{index: exit code}` once the
+        Job is complete: the indexes of `successPolicy` (else all) exited 0.
+        The pods still running are then stopped, as Kubernetes stops them.
+
+        A failed pod is replaced or counted as the manifest's
+        podFailurePolicy and backoffLimitPerIndex say; unless `restarts`,
+        the first failure fails the test at once, with the logs. `tick(job)`
+        runs while the pods do (to preempt one).
+        """
+        rules = self.spec.get("successPolicy", {"rules": [
+            {"succeededIndexes": f"0-{self.tasks - 1}"}]})["rules"]
+        (rule,) = rules
+        first, _, last = rule["succeededIndexes"].partition("-")
+        needed = set(range(int(first), int(last or first) + 1))
+        self.write_hosts_files()
+        for index in range(self.tasks):
+            self.start(index)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            tick(self)
+            for index, pod in list(self.pods.items()):
+                code = pod.poll()
+                if code is None:
+                    if time.monotonic() - self.disrupted.get(index, 1e12) > self.grace:
+                        os.killpg(pod.pid, signal.SIGKILL)
+                    continue
+                if code == 0:
+                    continue
+                code = 128 - code if code < 0 else code  # a container's exit code
+                self.replace(index, code, restarts)
+            codes = {i: pod.poll() for i, pod in self.pods.items()}
+            if all(codes[i] == 0 for i in needed):
+                self.stop_running()
+                return {i: pod.returncode for i, pod in self.pods.items()}
+            time.sleep(0.1)
+        raise AssertionError(f"the Job did not complete in {timeout} s:\n{self.logs()}")
+
+    def replace(self, index, code, restarts):
+        action = self.action(index, code)
+        self.events.append((index, code, action))
+        self.disrupted.pop(index, None)
+        assert restarts, f"pod {index} failed with exit code {code}:\n{self.logs()}"
+        if action == "Count":
+            self.failures[index] = self.failures.get(index, 0) + 1
+            failed = self.failures[index] > self.spec["backoffLimitPerIndex"]
+            assert not failed, f"the Job failed: {self.events}\n{self.logs()}"
+        assert action in ("Ignore", "Count"), (action, self.events)
+        self.start(index)  # the old pod is gone: podReplacementPolicy Failed
+
+    def stop_running(self):
+        """SIGTERM, then SIGKILL after the grace period: a pod's end."""
+        running = [pod for pod in self.pods.values() if pod.poll() is None]
+        for pod in running:
+            os.killpg(pod.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace
+        for pod in running:
+            try:
+                pod.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        kill_groups(running)
+
+    def log(self, index, pod=None):
+        return (self.log_dir / f"pod{index}-{pod or self.started[index]}.log").read_text()
+
+    def logs(self, tail=2500):
+        return "\n".join(f"--- pod {i} ({self.started[i]}) ---\n{self.log(i)[-tail:]}"
+                         for i in self.pods)
+
+    def close(self):
+        kill_groups(list(self.pods.values()))
+        for directory in reversed(self.etc):
+            if directory != "/etc/netns":
+                for name in os.listdir(directory):
+                    os.remove(os.path.join(directory, name))
+            try:
+                os.rmdir(directory)
+            except OSError:  # /etc/netns, holding another test's namespaces
+                pass
+
+
+def _run_job(tmp_path, command, timeout, restarts=False, tick=lambda job: None,
+             **shape):
+    """Emits the Job for `command` and runs its pods; returns the `Job`
+    (its pods' exit codes in `job.codes`)."""
+    (tmp_path / "home").mkdir()
+    text = recipes.k8s_job(command, image="registry.example.com/train:1", name="digits",
+                           **shape)
+    _, manifest = yaml.safe_load_all(text)
+    with netns.VirtualHosts(manifest["spec"]["completions"]) as hosts:
+        job = Job(text, hosts, tmp_path)
+        try:
+            job.codes = job.run(timeout, restarts, tick)
+        finally:
+            job.close()
+    return job
+
+
+@needs_hosts
+def test_async_job_pods_train_with_the_roles_their_indexes_give(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    job = _run_job(tmp_path, [sys.executable, os.path.join(SCRIPTS, "ps_train.py"), str(out)],
+                   360, workers=2, ps=1)
+    # Index 0 is the chief: its success completed the Job, and the pods
+    # still serving (ps 0, workers 0 and 1) were then stopped.
+    assert job.codes[0] == 0 and job.events == []
+    assert "keras_dist: using parameter_server strategy" in job.log(0)
+    # Each pod found its role from its index and served under its DNS name.
+    assert "keras_dist: ps:0 serving at digits-1.digits:2222" in job.log(1)
+    assert "keras_dist: worker:0 serving at digits-2.digits:2222" in job.log(2)
+    assert "keras_dist: worker:1 serving at digits-3.digits:2222" in job.log(3)
+    with open(out / "result.json") as f:
+        result = json.load(f)
+    # As tests/test_async.py checks the launcher's run: every scheduled
+    # update applied once, by both workers, and the model learns.
+    assert result["version"] == result["iterations"] == result["scheduled_steps"]
+    per_worker = result["updates_per_worker"]
+    assert sorted(per_worker) == ["0", "1"] and all(v > 0 for v in per_worker.values())
+    assert sum(per_worker.values()) == result["scheduled_steps"] // 4
+    assert result["ring"] == {"taken": result["scheduled_steps"], "lost": 0}
+    assert result["last_epoch_examples_counted"] == (result["scheduled_steps"] // 4) * 32
+    assert result["test_accuracy"] >= ASYNC_LEARNS
+    assert result["reloaded_predictions_match"]
+
+
+@needs_hosts
+def test_multiworker_job_pods_train_in_sync_and_every_index_succeeds(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    job = _run_job(tmp_path, [sys.executable, os.path.join(SCRIPTS, "mwms_worker.py"),
+                              str(out)], 300, workers=2)
+    assert job.codes == {0: 0, 1: 0}  # no successPolicy: every index must succeed
+    results = {}
+    for index in range(2):
+        with open(out / f"worker{index}.json") as f:
+            results[index] = json.load(f)
+        weights = np.load(out / f"worker{index}.npz")
+        results[index]["weights"] = [weights[f"arr_{k}"] for k in range(len(weights.files))]
+    for info in results.values():
+        assert info["replicas"] == 2
+        assert info["history"]["loss"][-1] < 0.5 * info["history"]["loss"][0]
+        assert info["test_accuracy"] >= 0.9, info["test_accuracy"]
+    # One model, trained in step on both pods.
+    for a, b in zip(results[0]["weights"], results[1]["weights"]):
+        np.testing.assert_array_equal(a, b)
+    assert results[0]["history"] == results[1]["history"]
+
+
+EPOCHS, STEPS = 3, 23  # tests/scripts/preempt_train.py: digits in batches of 64
+
+
+@needs_hosts
+def test_a_preempted_chief_pod_is_replaced_and_resumes_with_the_serving_pods(tmp_path):
+    """Kubernetes preempts the chief's pod mid-epoch: SIGTERM, and the
+    DisruptionTarget condition. Its BackupAndRestore backs up and exits 75;
+    the manifest's podFailurePolicy replaces the pod without counting it.
+    The new chief, at the same DNS name, finds the parameter server and
+    workers still serving (only the chief's index restarts, where the
+    launcher restarts the whole job) and resumes from the backup, as
+    TensorFlow's ClusterCoordinator documents for a coordinator that comes
+    back. Every scheduled update is applied once."""
+    out = tmp_path / "out"
+    out.mkdir()
+    command = [sys.executable, os.path.join(SCRIPTS, "preempt_train.py"), str(out),
+               str(tmp_path / "backup"), str(EPOCHS), "10"]
+
+    def preempt_in_epoch_1(job):
+        try:
+            epoch, step = map(int, (out / "progress").read_text().split())
+        except (OSError, ValueError):
+            return
+        if (epoch, step) >= (1, 5) and job.started[0] == 1 and 0 not in job.disrupted:
+            job.preempt(0)
+
+    job = _run_job(tmp_path, command, 360, restarts=True, tick=preempt_in_epoch_1,
+                   workers=2, ps=1)
+    assert job.events == [(0, 75, "Ignore")], job.events  # backed up, not counted
+    assert job.started == {0: 2, 1: 1, 2: 1, 3: 1}  # the others served on
+    assert job.codes[0] == 0
+    with open(out / "result.json") as f:
+        resumed = json.load(f)
+    # It resumed where it was preempted (after epoch 1, step 5), from the
+    # backup it wrote on SIGTERM ...
+    restored = resumed["restored_epoch"] * STEPS + resumed["restored_step"]
+    assert restored >= STEPS + 5, resumed
+    # ... and what was in flight finished before that backup: every update
+    # counted once, none repeated (no worker failed).
+    assert resumed["version"] == EPOCHS * STEPS, resumed["version"]
+    counts = resumed["step_counts"]
+    assert counts["scheduled"] == counts["finished"] == EPOCHS * STEPS - restored, counts
+    loss = resumed["restored_history"]["loss"] + resumed["history"]["loss"]
+    assert len(loss) == EPOCHS and loss[-1] < loss[0]
+
+
+@needs_hosts
+def test_a_lost_parameter_server_pod_is_replaced_and_so_is_the_chief_which_resumes(
+        tmp_path):
+    """The parameter server's pod dies without warning (SIGKILL: its node
+    is lost, or it ran out of memory). Kubernetes replaces it, counting the
+    failure; the chief, whose variables lived there, fails, and its pod is
+    replaced too, counted as well: what TensorFlow's ClusterCoordinator asks
+    for a lost parameter server (bring it back, restart the coordinator).
+    A manifest that failed the Job on the chief's error would end training
+    here. The new chief resumes from the backup."""
+    out = tmp_path / "out"
+    out.mkdir()
+    command = [sys.executable, os.path.join(SCRIPTS, "preempt_train.py"), str(out),
+               str(tmp_path / "backup"), str(EPOCHS), "10"]
+
+    def kill_ps_in_epoch_1(job):
+        try:
+            epoch, step = map(int, (out / "progress").read_text().split())
+        except (OSError, ValueError):
+            return
+        if (epoch, step) >= (1, 5) and job.started[1] == 1 and not job.events:
+            os.killpg(job.pods[1].pid, signal.SIGKILL)
+            job.events.append((1, "SIGKILL", "sent"))
+
+    job = _run_job(tmp_path, command, 360, restarts=True, tick=kill_ps_in_epoch_1,
+                   workers=2, ps=1)
+    events = job.events[1:]
+    assert (1, 137, "Count") in events, events
+    assert [e for e in events if e[0] == 0] == [(0, 1, "Count")], events
+    assert job.started[0] == job.started[1] == 2 and job.codes[0] == 0, job.started
+    assert job.failures == {0: 1, 1: 1}  # within backoffLimitPerIndex (3)
+    with open(out / "result.json") as f:
+        resumed = json.load(f)
+    # A backup from before the kill (one every 10 steps) was restored ...
+    restored = resumed["restored_epoch"] * STEPS + resumed["restored_step"]
+    assert restored >= 20, resumed
+    # ... and every update applied from there on; at least once: a backup
+    # is taken while updates go on.
+    assert 0 <= resumed["version"] - EPOCHS * STEPS <= 4, resumed["version"]
+    loss = resumed["restored_history"]["loss"] + resumed["history"]["loss"]
+    assert len(loss) == EPOCHS and loss[-1] < loss[0]
+
+
+@needs_hosts
+def test_a_lost_multiworker_pod_fails_its_peer_and_both_are_replaced_and_resume(tmp_path):
+    """Synchronous training: worker 1's pod dies without warning. Worker 0
+    waits in an all-reduce with it until the replacement pod connects, then
+    fails ("tried to connect with a different incarnation"); Kubernetes
+    replaces it too (each failure counted against its own index), and the
+    new pair resumes from the backup: the whole-job restart keras-dist-run
+    does, made of per-index restarts."""
+    out = tmp_path / "out"
+    out.mkdir()
+    command = [sys.executable, os.path.join(SCRIPTS, "preempt_train.py"), str(out),
+               str(tmp_path / "backup"), str(EPOCHS), "10"]
+
+    def kill_worker_1_in_epoch_1(job):
+        try:
+            epoch, step = map(int, (out / "progress").read_text().split())
+        except (OSError, ValueError):
+            return
+        if (epoch, step) >= (1, 5) and job.started[1] == 1 and not job.events:
+            os.killpg(job.pods[1].pid, signal.SIGKILL)
+            job.events.append((1, "SIGKILL", "sent"))
+
+    job = _run_job(tmp_path, command, 360, restarts=True, tick=kill_worker_1_in_epoch_1,
+                   workers=2)
+    assert job.events[1:] == [(1, 137, "Count"), (0, 1, "Count")], job.events
+    assert job.started == {0: 2, 1: 2} and job.codes == {0: 0, 1: 0}, job.started
+    with open(out / "result.json") as f:
+        resumed = json.load(f)
+    # A backup from before the kill (after epoch 1, step 5: one every 10
+    # steps) was restored ...
+    restored = resumed["restored_epoch"] * STEPS + resumed["restored_step"]
+    assert restored >= 20, resumed
+    # ... and the job's steps were each applied once from there on.
+    assert resumed["version"] == EPOCHS * STEPS, resumed["version"]
+    loss = (resumed["restored_history"] or {}).get("loss", []) + resumed["history"]["loss"]
+    assert len(loss) == EPOCHS and loss[-1] < loss[0]
