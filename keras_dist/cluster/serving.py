@@ -128,7 +128,7 @@ def meet_peers(cluster, timeout, poll=0.2):
         _wait_for_ports(pending, timeout, poll, lambda missing: (
             f"MultiWorkerMirrored peers did not come up within {timeout:g} s: {missing} "
             f"(this task: {cluster.task_type}:{cluster.task_index}). Start every task of "
-            "TF_CONFIG's cluster (the launcher or scheduler starts them together), or "
+            f"the cluster ({cluster.source}; the launcher or scheduler starts them together), or "
             "raise `connect_timeout` in keras_dist.resolve_strategy."))
     finally:
         if listener is not None:
