@@ -336,6 +336,10 @@ def test_the_docs_page_examples_run(tmp_path):
     blocks = [b for b in parse_page("docs/ray.md")
               if "make test-ray runs it" in (b.marker("skip") or "")]
     assert [b.kind for b in blocks] == ["shell", "python"], blocks
+    # docs/where-to-run.md shows the same command, which this test runs.
+    elsewhere = [b.code for b in parse_page("docs/where-to-run.md")
+                 if "make test-ray runs this command" in (b.marker("skip") or "")]
+    assert elsewhere == [blocks[0].code], elsewhere
     os.symlink(os.path.join(REPO, "examples"), tmp_path / "examples")
     (tmp_path / "example.py").write_text(blocks[1].code)
     env = ray_env()
