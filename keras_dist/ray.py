@@ -94,7 +94,7 @@ def run(target, *, workers=2, ps=0, evaluator=False, address=None, max_restarts=
     ray = _import_ray()
     started = not ray.is_initialized()
     if started:
-        ray.init(address=address)
+        _connect(ray, address)
     env = dict(env or {})
     command = target if not callable(target) else ray.cloudpickle.dumps(target)
     options = {"num_cpus": 0, "scheduling_strategy": "SPREAD", **(actor_options or {})}
@@ -119,6 +119,28 @@ def run(target, *, workers=2, ps=0, evaluator=False, address=None, max_restarts=
     finally:
         if started:
             ray.shutdown()
+
+
+def _connect(ray, address):
+    """`ray.init(address=address)`, with the fix named when the cluster
+    refuses this process's token (a cluster with token authentication
+    needs its clients to set `RAY_AUTH_MODE=token` and have the token)."""
+    try:
+        ray.init(address=address)
+    except Exception as error:  # noqa: BLE001 (Ray wraps it: look down the chain)
+        cause, refused = error, False
+        while cause is not None and not refused:
+            refused = type(cause).__name__ == "AuthenticationError" or \
+                "InvalidAuthToken" in str(cause)
+            cause = cause.__cause__ or cause.__context__
+        if not refused:
+            raise
+        raise ConnectionError(
+            f"The Ray cluster at address={address!r} uses token authentication and "
+            "refused this process's token. Set RAY_AUTH_MODE=token here, with the "
+            "cluster's token in ~/.ray/auth_token, RAY_AUTH_TOKEN_PATH or "
+            "RAY_AUTH_TOKEN (see https://docs.ray.io/en/latest/ray-security/"
+            "token-auth.html), and run again.") from None
 
 
 def _place_actors(ray, actor_class, options, counts):

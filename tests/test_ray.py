@@ -9,6 +9,7 @@ need the `ray` extra and run in `make test-ray`, not in `make test` (about
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -23,18 +24,19 @@ RAY = [sys.executable, "-m", "keras_dist.ray"]
 ACTOR = "ray::TaskActor"  # what Ray names an actor's process
 
 
-def ray_env():
+def ray_env(**extra):
     env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "KERAS_DIST_STRATEGY")}
     # The worktree's keras_dist on every actor and task, as on the driver.
     env["PYTHONPATH"] = os.pathsep.join([REPO] + [p for p in env.get(
         "PYTHONPATH", "").split(os.pathsep) if p])
     env.update(TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1", RAY_DISABLE_USAGE_STATS="1")
+    env.update(extra)
     return env
 
 
-def run_cli(args, timeout=300, **kwargs):
+def run_cli(args, timeout=300, env=None, **kwargs):
     return subprocess.run(RAY + args, cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env=ray_env(), **kwargs)
+                          timeout=timeout, env=env or ray_env(), **kwargs)
 
 
 def assert_nothing_left(marker, but=None):
@@ -387,3 +389,59 @@ def test_a_taken_port_restarts_the_job_on_new_actors_and_ports(tmp_path):
             os.kill(int((state / "squatter.pid").read_text()), signal.SIGKILL)
         except (OSError, ValueError):
             pass
+
+
+HOLDER = """
+import sys
+import ray
+ray.init(num_cpus=2, include_dashboard=False)
+print(ray.get_runtime_context().gcs_address, flush=True)
+sys.stdin.read()  # until the test closes it; ray.init's cluster ends with this process
+"""
+
+
+@pytest.mark.ray
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_an_existing_ray_cluster_by_address_trains_and_is_left_running(tmp_path):
+    """A Ray cluster started by another process, reached with --address: the
+    job runs there, its actors go, and the cluster stays up for its owner."""
+    # A cluster with token authentication, as Ray sets one up once a token
+    # exists (~/.ray/auth_token), here with a token of the test's own.
+    token = secrets.token_hex(32)
+    auth = dict(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER], cwd=REPO, env=ray_env(**auth),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    try:
+        address = holder.stdout.readline().strip()
+        assert re.fullmatch(r"[\d.]+:\d+", address), address
+        args = ["--address", address, "--workers", "2", "--ps", "1", "--",
+                sys.executable, "tests/scripts/ps_train.py", str(tmp_path)]
+        # Without the token the driver is refused, and told what to set.
+        proc = run_cli(args, env=ray_env(RAY_AUTH_MODE="disabled"))
+        assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert proc.stderr.strip().splitlines()[-1] == (
+            f"ConnectionError: The Ray cluster at address={address!r} uses token "
+            "authentication and refused this process's token. Set RAY_AUTH_MODE=token "
+            "here, with the cluster's token in ~/.ray/auth_token, RAY_AUTH_TOKEN_PATH or "
+            "RAY_AUTH_TOKEN (see https://docs.ray.io/en/latest/ray-security/"
+            "token-auth.html), and run again."), proc.stderr[-3000:]
+        proc = run_cli(args, env=ray_env(**auth))
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+        result = json.loads((tmp_path / "result.json").read_text())
+        assert result["version"] == result["iterations"] == result["scheduled_steps"] == 180
+        assert_nothing_left(str(tmp_path))  # no task process, no task actor
+        # The cluster is still up for its owner: a fresh driver connects.
+        cpus = fresh_python(f"import os\nos.environ.update({auth!r})\n"
+                            f"import ray\nray.init(address={address!r})\n"
+                            "print(ray.cluster_resources()['CPU'])\n")
+        assert cpus.strip().splitlines()[-1] == "2.0", cpus
+        assert holder.poll() is None
+    finally:
+        holder.stdin.close()
+        try:
+            holder.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(holder.pid, signal.SIGKILL)
+            holder.wait()
