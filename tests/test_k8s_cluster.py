@@ -283,6 +283,35 @@ def test_multiworker_job_pods_train_in_sync_and_every_index_succeeds(tmp_path):
 EPOCHS, STEPS = 3, 23  # tests/scripts/preempt_train.py: digits in batches of 64
 
 
+def _backed_up_training(tmp_path):
+    """tests/scripts/preempt_train.py's command (a backup every 10 steps) and
+    its output directory, where it writes its progress and result.json."""
+    out = tmp_path / "out"
+    out.mkdir()
+    return out, [sys.executable, os.path.join(SCRIPTS, "preempt_train.py"), str(out),
+                 str(tmp_path / "backup"), str(EPOCHS), "10"]
+
+
+def _in_epoch_1(out):
+    """Whether the training has reached epoch 1, step 5 (its progress file)."""
+    try:
+        return tuple(map(int, (out / "progress").read_text().split())) >= (1, 5)
+    except (OSError, ValueError):
+        return False
+
+
+def _sigkill(job, index):
+    """Kills pod `index` without warning, and notes it in the job's events."""
+    os.killpg(job.pods[index].pid, signal.SIGKILL)
+    job.events.append((index, "SIGKILL", "sent"))
+
+
+def _losses(resumed):
+    """Each epoch's loss, from the backup restored and the run after it (a
+    backup from before the first epoch ended holds no history yet)."""
+    return (resumed["restored_history"] or {}).get("loss", []) + resumed["history"]["loss"]
+
+
 @needs_hosts
 def test_a_preempted_chief_pod_is_replaced_and_resumes_with_the_serving_pods(tmp_path):
     """Kubernetes preempts the chief's pod mid-epoch: SIGTERM, and the
@@ -293,17 +322,10 @@ def test_a_preempted_chief_pod_is_replaced_and_resumes_with_the_serving_pods(tmp
     launcher restarts the whole job) and resumes from the backup, as
     TensorFlow's ClusterCoordinator documents for a coordinator that comes
     back. Every scheduled update is applied once."""
-    out = tmp_path / "out"
-    out.mkdir()
-    command = [sys.executable, os.path.join(SCRIPTS, "preempt_train.py"), str(out),
-               str(tmp_path / "backup"), str(EPOCHS), "10"]
+    out, command = _backed_up_training(tmp_path)
 
     def preempt_in_epoch_1(job):
-        try:
-            epoch, step = map(int, (out / "progress").read_text().split())
-        except (OSError, ValueError):
-            return
-        if (epoch, step) >= (1, 5) and job.started[0] == 1 and 0 not in job.disrupted:
+        if _in_epoch_1(out) and job.started[0] == 1 and 0 not in job.disrupted:
             job.preempt(0)
 
     job = _run_job(tmp_path, command, 360, restarts=True, tick=preempt_in_epoch_1,
@@ -322,7 +344,7 @@ def test_a_preempted_chief_pod_is_replaced_and_resumes_with_the_serving_pods(tmp
     assert resumed["version"] == EPOCHS * STEPS, resumed["version"]
     counts = resumed["step_counts"]
     assert counts["scheduled"] == counts["finished"] == EPOCHS * STEPS - restored, counts
-    loss = (resumed["restored_history"] or {}).get("loss", []) + resumed["history"]["loss"]
+    loss = _losses(resumed)
     assert len(loss) == EPOCHS and loss[-1] < loss[0]
 
 
@@ -336,19 +358,11 @@ def test_a_lost_parameter_server_pod_is_replaced_and_so_is_the_chief_which_resum
     for a lost parameter server (bring it back, restart the coordinator).
     A manifest that failed the Job on the chief's error would end training
     here. The new chief resumes from the backup."""
-    out = tmp_path / "out"
-    out.mkdir()
-    command = [sys.executable, os.path.join(SCRIPTS, "preempt_train.py"), str(out),
-               str(tmp_path / "backup"), str(EPOCHS), "10"]
+    out, command = _backed_up_training(tmp_path)
 
     def kill_ps_in_epoch_1(job):
-        try:
-            epoch, step = map(int, (out / "progress").read_text().split())
-        except (OSError, ValueError):
-            return
-        if (epoch, step) >= (1, 5) and job.started[1] == 1 and not job.events:
-            os.killpg(job.pods[1].pid, signal.SIGKILL)
-            job.events.append((1, "SIGKILL", "sent"))
+        if _in_epoch_1(out) and job.started[1] == 1 and not job.events:
+            _sigkill(job, 1)
 
     job = _run_job(tmp_path, command, 360, restarts=True, tick=kill_ps_in_epoch_1,
                    workers=2, ps=1)
@@ -365,9 +379,7 @@ def test_a_lost_parameter_server_pod_is_replaced_and_so_is_the_chief_which_resum
     # ... and every update applied from there on; at least once: a backup
     # is taken while updates go on.
     assert 0 <= resumed["version"] - EPOCHS * STEPS <= 4, resumed["version"]
-    # The backup restored may be from before the first epoch ended (then it
-    # holds no history yet): each epoch's loss is in one of the two.
-    loss = (resumed["restored_history"] or {}).get("loss", []) + resumed["history"]["loss"]
+    loss = _losses(resumed)
     assert len(loss) == EPOCHS and loss[-1] < loss[0]
 
 
@@ -379,19 +391,11 @@ def test_a_lost_multiworker_pod_fails_its_peer_and_both_are_replaced_and_resume(
     replaces it too (each failure counted against its own index), and the
     new pair resumes from the backup: the whole-job restart keras-dist-run
     does, made of per-index restarts."""
-    out = tmp_path / "out"
-    out.mkdir()
-    command = [sys.executable, os.path.join(SCRIPTS, "preempt_train.py"), str(out),
-               str(tmp_path / "backup"), str(EPOCHS), "10"]
+    out, command = _backed_up_training(tmp_path)
 
     def kill_worker_1_in_epoch_1(job):
-        try:
-            epoch, step = map(int, (out / "progress").read_text().split())
-        except (OSError, ValueError):
-            return
-        if (epoch, step) >= (1, 5) and job.started[1] == 1 and not job.events:
-            os.killpg(job.pods[1].pid, signal.SIGKILL)
-            job.events.append((1, "SIGKILL", "sent"))
+        if _in_epoch_1(out) and job.started[1] == 1 and not job.events:
+            _sigkill(job, 1)
 
     job = _run_job(tmp_path, command, 360, restarts=True, tick=kill_worker_1_in_epoch_1,
                    workers=2)
@@ -405,5 +409,5 @@ def test_a_lost_multiworker_pod_fails_its_peer_and_both_are_replaced_and_resume(
     assert restored >= 20, resumed
     # ... and the job's steps were each applied once from there on.
     assert resumed["version"] == EPOCHS * STEPS, resumed["version"]
-    loss = (resumed["restored_history"] or {}).get("loss", []) + resumed["history"]["loss"]
+    loss = _losses(resumed)
     assert len(loss) == EPOCHS and loss[-1] < loss[0]
