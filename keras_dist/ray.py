@@ -210,32 +210,13 @@ def parse_args(argv):
     parser.add_argument("--address", default=None,
                         help="the Ray cluster: auto, HOST:PORT or ray://HOST:PORT "
                              "(default: start a local one)")
-    parser.add_argument("--workers", type=int, default=2,
-                        help="number of worker tasks (default 2)")
-    parser.add_argument("--ps", type=int, default=0,
-                        help="number of parameter-server tasks; > 0 means asynchronous "
-                             "training with a chief (default 0: synchronous multi-worker)")
-    parser.add_argument("--evaluator", action="store_true", help="add an evaluator task")
-    parser.add_argument("--max-restarts", type=int, default=3,
-                        help="how many times the job (and, with --ps, each worker alone) "
-                             "is restarted after a task is killed or preempted; the job "
-                             "resumes from its newest backup (default 3)")
+    launch.add_task_arguments(parser)
     parser.add_argument("--num-cpus", type=float, default=0,
                         help="CPUs each task's actor reserves on the Ray cluster (default 0)")
     parser.add_argument("--num-gpus", type=float, default=0,
                         help="GPUs each task's actor reserves (default 0)")
-    parser.add_argument("command", nargs=argparse.REMAINDER,
-                        help="the command to run on every task, after --")
     args = parser.parse_args(argv)
-    args.command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if not args.command:
-        parser.error("no command given. Put it after --, e.g. "
-                     "python -m keras_dist.ray --workers 2 -- python train.py")
-    try:
-        _check(args.command, args.workers, args.ps, args.max_restarts, None, None)
-    except ValueError as error:
-        parser.error(str(error).replace("`max_restarts`", "`--max-restarts`")
-                     .replace("`workers`", "`--workers`").replace("`ps`", "`--ps`"))
+    args.command = launch.check_task_arguments(parser, args)
     return args
 
 

@@ -36,12 +36,17 @@ def pids_with_marker(marker):
     return found
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("args, message", [
+BAD_TASK_ARGUMENTS = [
+    # Refused the same way by keras-dist-run and python -m keras_dist.ray.
     (["--workers", "0", "--", "python", "x.py"], "--workers must be at least 1. Received: --workers 0"),
     (["--ps", "-1", "--", "python", "x.py"], "--ps must be 0 or more"),
     (["--workers", "2"], "no command given. Put it after --"),
     (["--max-restarts", "-1", "--", "python", "x.py"], "--max-restarts must be 0 or more"),
+]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("args, message", BAD_TASK_ARGUMENTS + [
     (["--", sys.executable, "does/not/exist.py"], "script 'does/not/exist.py' does not exist"),
     (["--", "no-such-program-kd"], "command 'no-such-program-kd' not found"),
 ])

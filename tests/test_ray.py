@@ -18,7 +18,7 @@ import time
 import pytest
 
 from procs import ASYNC_LEARNS, REPO
-from test_launch import pids_with_marker
+from test_launch import BAD_TASK_ARGUMENTS, pids_with_marker
 
 RAY = [sys.executable, "-m", "keras_dist.ray"]
 ACTOR = "ray::TaskActor"  # what Ray names an actor's process
@@ -129,12 +129,7 @@ def test_bad_arguments_are_refused_naming_the_value(kwargs, message):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("args, message", [
-    (["--workers", "0", "--", "python", "x.py"],
-     "`--workers` must be an integer of at least 1. Received: workers=0."),
-    (["--max-restarts", "-1", "--", "python", "x.py"], "`--max-restarts` must be an integer"),
-    (["--workers", "2"], "no command given. Put it after --"),
-])
+@pytest.mark.parametrize("args, message", BAD_TASK_ARGUMENTS)
 def test_bad_command_lines_fail_fast_with_a_clear_message(args, message):
     proc = run_cli(args, timeout=60)
     assert proc.returncode == 2

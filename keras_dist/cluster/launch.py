@@ -76,11 +76,10 @@ class Failure:
         return f"exited with code {self.code}"
 
 
-def parse_args(argv):
-    parser = argparse.ArgumentParser(
-        prog="keras-dist-run",
-        description="Run a script as every task of a local TensorFlow cluster.",
-        epilog="Example: keras-dist-run --workers 2 --ps 1 -- python train.py --epochs 5")
+def add_task_arguments(parser):
+    """The cluster's shape and restarts, and the command after `--`: the
+    arguments `keras-dist-run` and `python -m keras_dist.ray` share. Check
+    them with `check_task_arguments`."""
     parser.add_argument("--workers", type=int, default=2,
                         help="number of worker tasks (default 2)")
     parser.add_argument("--ps", type=int, default=0,
@@ -95,16 +94,13 @@ def parse_args(argv):
                              "(kd.callbacks.BackupAndRestore). With --ps a worker that dies "
                              "is restarted alone, up to this many times per worker "
                              "(default 3; 0: stop the job on the first failure)")
-    parser.add_argument("--no-isolate", action="store_true",
-                        help="do not run the cluster in a private network namespace: its "
-                             "unauthenticated TensorFlow ports are then reachable from "
-                             "the network (see docs/security.md)")
-    parser.add_argument("--_in-namespace", action="store_true", dest="in_namespace",
-                        help=argparse.SUPPRESS)
-    recipes.add_arguments(parser)
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="the command to run on every task, after --")
-    args = parser.parse_args(argv)
+
+
+def check_task_arguments(parser, args):
+    """Refuses bad `add_task_arguments` values through `parser.error`;
+    returns the command without its leading `--`."""
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if args.workers < 1:
         parser.error(f"--workers must be at least 1. Received: --workers {args.workers}.")
@@ -114,8 +110,26 @@ def parse_args(argv):
         parser.error(f"--max-restarts must be 0 or more. Received: --max-restarts "
                      f"{args.max_restarts}.")
     if not command:
-        parser.error("no command given. Put it after --, e.g. "
-                     "keras-dist-run --workers 2 -- python train.py")
+        parser.error(f"no command given. Put it after --, e.g. {parser.prog} "
+                     "--workers 2 -- python train.py")
+    return command
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(
+        prog="keras-dist-run",
+        description="Run a script as every task of a local TensorFlow cluster.",
+        epilog="Example: keras-dist-run --workers 2 --ps 1 -- python train.py --epochs 5")
+    add_task_arguments(parser)
+    parser.add_argument("--no-isolate", action="store_true",
+                        help="do not run the cluster in a private network namespace: its "
+                             "unauthenticated TensorFlow ports are then reachable from "
+                             "the network (see docs/security.md)")
+    parser.add_argument("--_in-namespace", action="store_true", dest="in_namespace",
+                        help=argparse.SUPPRESS)
+    recipes.add_arguments(parser)
+    args = parser.parse_args(argv)
+    command = check_task_arguments(parser, args)
     if args.emit is not None:
         # The command runs in a container or on compute nodes: it need not exist here.
         args.command = command
