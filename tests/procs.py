@@ -174,6 +174,17 @@ class ProcessGroup:
         self.kill_all()
 
 
+def stop_squatter(state_dir):
+    """Kills the program tests/scripts/squat_port.py started to hold a port
+    (its pid is in state_dir/squatter.pid), if it did."""
+    try:
+        with open(os.path.join(state_dir, "squatter.pid")) as f:
+            pid = int(f.read())
+        os.kill(pid, signal.SIGKILL)
+    except (OSError, ValueError):
+        pass
+
+
 def kill_groups(procs):
     """SIGKILLs the process group of each of `procs` still running (started
     with `start_new_session=True`: the process and what it started), then

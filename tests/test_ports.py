@@ -10,7 +10,6 @@ the job on new ports (or, without restarts left, stop saying why).
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import pytest
 
 from keras_dist.cluster import ports
 from keras_dist.cluster.config import free_ports
-from procs import ASYNC_LEARNS, REPO
+from procs import ASYNC_LEARNS, REPO, stop_squatter
 
 pytestmark = pytest.mark.multiprocess
 
@@ -92,18 +91,6 @@ def test_each_entry_point_fails_with_one_line_naming_task_port_and_in_use(entry,
     assert "Could not start gRPC server" not in output, output
 
 
-def _stop_squatter(state_dir):
-    try:
-        with open(os.path.join(state_dir, "squatter.pid")) as f:
-            pid = int(f.read())
-    except OSError:
-        return
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
 def _serving_ports(output, task):
     return [int(p) for p in re.findall(
         rf"\[{task}\] keras_dist: {task} serving at 127\.0\.0\.1:(\d+)", output)]
@@ -143,7 +130,7 @@ def test_the_launcher_restarts_the_job_on_new_ports_and_training_is_exact(tmp_pa
         assert result["iterations"] == result["version"] == result["scheduled_steps"]
         assert result["test_accuracy"] >= ASYNC_LEARNS, result
     finally:
-        _stop_squatter(state)
+        stop_squatter(state)
 
 
 @pytest.mark.timeout(300)
@@ -161,4 +148,4 @@ def test_without_restarts_the_launcher_stops_naming_the_port(tmp_path):
         assert f"[keras-dist-run] worker:1 could not listen on port {port}: it is in use by " \
                "another program; stopping the cluster" in output, output
     finally:
-        _stop_squatter(tmp_path)
+        stop_squatter(tmp_path)

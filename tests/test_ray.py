@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from procs import ASYNC_LEARNS, REPO
+from procs import ASYNC_LEARNS, REPO, stop_squatter
 from test_launch import BAD_TASK_ARGUMENTS, pids_with_marker
 
 RAY = [sys.executable, "-m", "keras_dist.ray"]
@@ -380,10 +380,7 @@ def test_a_taken_port_restarts_the_job_on_new_actors_and_ports(tmp_path):
         result = json.loads((out / "result.json").read_text())
         assert result["version"] == result["iterations"] == result["scheduled_steps"] == 180
     finally:
-        try:
-            os.kill(int((state / "squatter.pid").read_text()), signal.SIGKILL)
-        except (OSError, ValueError):
-            pass
+        stop_squatter(state)
 
 
 HOLDER = """
