@@ -465,13 +465,13 @@ class ClusterConfig:
             return cls.from_tf_config(text)
         # Kubernetes before SLURM: KERAS_DIST_K8S_JOBS is keras-dist's own
         # variable, which only a Job manifest sets, a surer sign than SLURM's.
-        k8s_jobs = _parse_slurm_jobs(env.get(K8S_JOBS_ENV), K8S_JOBS_ENV)
+        k8s_jobs = parse_role_counts(env.get(K8S_JOBS_ENV), K8S_JOBS_ENV)
         if k8s_jobs is not None:
             # One task: a single machine, as for a one-task SLURM step.
             return cls.from_kubernetes(env) if sum(k8s_jobs.values()) > 1 else None
         if int(env.get("SLURM_STEP_NUM_TASKS", "1") or 1) > 1:
             jobs_text = env.get(SLURM_JOBS_ENV, "")
-            jobs = _parse_slurm_jobs(jobs_text)
+            jobs = parse_role_counts(jobs_text)
             if jobs is None:
                 return cls.from_slurm(environ=env)
             num_tasks = int(env["SLURM_STEP_NUM_TASKS"])
@@ -648,9 +648,10 @@ def free_ports(count, host="127.0.0.1"):
             sock.close()
 
 
-def _parse_slurm_jobs(text, variable=SLURM_JOBS_ENV):
-    """`{role: count}` from `KERAS_DIST_SLURM_JOBS` (or `variable`, which
-    has the same form), or `None` when unset.
+def parse_role_counts(text, variable=SLURM_JOBS_ENV):
+    """`{role: count}` from a role map such as `KERAS_DIST_SLURM_JOBS` or
+    `KERAS_DIST_K8S_JOBS` (`variable`, named in errors), or `None` when
+    unset.
 
     Roles with count 0 are dropped. Raises `ValueError` naming the variable,
     the value, the bad part and an example of the right form.

@@ -29,7 +29,7 @@ Example:
 """
 
 from keras_dist.cluster import recipes
-from keras_dist.cluster.config import K8S_JOBS_ENV, _parse_slurm_jobs
+from keras_dist.cluster.config import K8S_JOBS_ENV, parse_role_counts
 from keras_dist.cluster.slurm import role_ranks
 
 __all__ = ["k8s_job", "read_pod"]
@@ -175,7 +175,7 @@ def read_pod(environ):
     Raises:
         ValueError: naming the variable, its value and the fix.
     """
-    jobs = _parse_slurm_jobs(environ.get(K8S_JOBS_ENV), K8S_JOBS_ENV)
+    jobs = parse_role_counts(environ.get(K8S_JOBS_ENV), K8S_JOBS_ENV)
     if jobs is None:
         raise ValueError(
             f"{K8S_JOBS_ENV} is not set: it names the roles of the Job's pods, e.g. "
