@@ -59,11 +59,20 @@ def test_bad_arguments_fail_fast_with_a_clear_message(args, message):
 @pytest.mark.multiprocess
 def test_prefixes_output_and_returns_the_leaders_exit_code(tmp_path):
     script = tmp_path / "task.py"
+    # Worker 0's error stops the cluster at once, so it waits until worker 1
+    # has printed (a file says so): else a slow start loses worker 1's line.
     script.write_text(
-        "import json, os, sys\n"
+        "import json, os, sys, time\n"
         "task = json.loads(os.environ['TF_CONFIG'])['task']\n"
-        "print('hello from', task['type'], task['index'])\n"
-        "sys.exit(3 if task['type'] == 'worker' and task['index'] == 0 else 0)\n")
+        "print('hello from', task['type'], task['index'], flush=True)\n"
+        f"said = {str(tmp_path / 'worker1-said')!r}\n"
+        "if task['index'] == 1:\n"
+        "    open(said, 'w').close()\n"
+        "    sys.exit(0)\n"
+        "deadline = time.monotonic() + 60\n"
+        "while not os.path.exists(said) and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)\n"
+        "sys.exit(3)\n")
     proc = launch(["--workers", "2", "--", sys.executable, str(script)])
     assert proc.returncode == 3
     assert "[worker:0] hello from worker 0" in proc.stdout
