@@ -22,6 +22,11 @@ the settings interleaved (the machine is noisy), it measures:
   execution (the rest is the round trip to the chief and its bookkeeping),
   and the chief's CPU per execution.
 
+It also reports the CPU bound: the machine's cores over the cores the one
+process keeps busy. At the one process's examples per CPU-second, that is
+the most any cluster sharing this machine could reach against it, with no
+overhead at all.
+
 Rates are the median over epochs after the first two (the first traces,
 the second may be the other worker's first run of a function), then the
 median over `--repeats` runs. Writes benchmarks/results/local_steps.json
@@ -102,7 +107,9 @@ def main(argv):
         timer = Timer()
         with kd.local_fit():  # the chief alone: the bound
             model.fit(xs, ys, batch_size=batch, epochs=4, verbose=0, callbacks=[timer])
-        return steps * batch / statistics.median(timer.wall[1:])
+        # Cores the one process keeps busy (its threads: Eigen's, tf.data's).
+        cores = sum(timer.cpu[1:]) / sum(timer.wall[1:])
+        return steps * batch / statistics.median(timer.wall[1:]), cores
 
     def run(k, spe, steps, seed):
         keras.utils.set_random_seed(seed)
@@ -136,13 +143,20 @@ def main(argv):
     jobs = [(k, spe, _LONG_STEPS.value) for k, spe in settings]
     jobs += [(k, spe, _SHORT_STEPS.value) for k, spe in settings if (k, spe) in short]
     raw = {f"{k}x{spe}@{steps}": [] for k, spe, steps in jobs}
-    limits = []
+    limits, limit_cores = [], []
     with quiet_tf_logger("WARNING"):
         for repeat in range(_REPEATS.value):
-            limits.append(limit_run())
+            rate, cores = limit_run()
+            limits.append(rate)
+            limit_cores.append(cores)
             for k, spe, steps in (jobs if repeat % 2 == 0 else jobs[::-1]):
                 raw[f"{k}x{spe}@{steps}"].append(run(k, spe, steps, seed=repeat))
     limit = statistics.median(limits)
+    # The machine's cores over the cores one process keeps busy: what any
+    # number of processes sharing this machine could reach at best, against
+    # one process, with no overhead at all.
+    cores_used = statistics.median(limit_cores)
+    cpu_bound = (os.cpu_count() or 1) / cores_used
 
     def median(key, field):
         return statistics.median(r[field] for r in raw[key])
@@ -164,6 +178,9 @@ def main(argv):
         rows.append(row)
 
     console = Console()
+    console.print(f"The one process keeps {cores_used:.2f} of this machine's {os.cpu_count()} "
+                  f"cores busy: at its examples per CPU-second, the whole machine gives at "
+                  f"most {cpu_bound:.2f}x its examples/s (the CPU bound).")
     table = Table(title=f"Local steps, 2 workers + 1 ps: one-process limit {limit:.0f} "
                         f"examples/s (Keras fit, steps_per_execution 50, "
                         f"{_LONG_STEPS.value}-step epochs); accuracy after "
@@ -196,6 +213,8 @@ def main(argv):
     plot(rows, os.path.join(os.path.dirname(_OUTPUT.value), "local_steps.png"))
     with open(_OUTPUT.value, "w") as f:
         json.dump({"limit_examples_per_s": limit, "raw_limit": limits, "rows": rows,
+                   "limit_cores": limit_cores, "cpu_bound": cpu_bound,
+                   "cpu_count": os.cpu_count(),
                    "raw": raw, "long_steps": _LONG_STEPS.value,
                    "short_steps": _SHORT_STEPS.value, "total_steps": _TOTAL.value,
                    "batch": batch, "repeats": _REPEATS.value}, f, indent=2)

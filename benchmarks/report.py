@@ -140,6 +140,12 @@ def _ms(value):
     return "-" if value != value else f"{value:.2f}"  # NaN: not a round of local steps
 
 
+def _share(data, k, spe):
+    """The share of the limit setting `k x spe` reached (`-` if not run)."""
+    rows = [r for r in data["rows"] if (r["k"], r["spe"]) == (k, spe)]
+    return f"{rows[0]['share_of_limit']:.3f}" if rows else "-"
+
+
 def local_steps(lines):
     data = section(lines, "local_steps", "## Local steps against one process (`local_steps.py`)")
     if data is None:
@@ -180,6 +186,13 @@ def local_steps(lines):
         "Targets: 16x64 >= 1.0 and 64x256 >= 1.5 of the limit; the short/long ratio "
         ">= 0.9 at 1x1, 1x10 and 16x1; accuracy within one point of 1x1.\n",
     ]
+    if "cpu_bound" in data:
+        cores = statistics.median(data["limit_cores"])
+        lines.append(
+            f"The CPU bound: the one process keeps {cores:.2f} of the machine's "
+            f"{data['cpu_count']} cores busy, so at its examples per CPU-second the whole "
+            f"machine gives at most {data['cpu_bound']:.2f}x its examples/s; 64x256 reached "
+            f"{_share(data, 64, 256)} of the limit.\n")
     plot(lines, "local_steps.png", "Local steps: throughput against one process, and accuracy")
 
 
