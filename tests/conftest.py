@@ -87,6 +87,8 @@ SHARED_SCENARIOS = {
         "ps_wrappers.py", "mixed"),
     "test_async::test_no_retracing_under_parameter_servers": ("ps_traces.py",),
     "test_local_steps::test_local_steps_on_a_real_cluster": ("ps_local.py",),
+    "test_local_steps::test_a_backup_holds_the_outer_optimizer_and_the_elastic_copies": (
+        "ps_local_backup.py",),
     "test_dana::test_dana_on_a_real_cluster": ("ps_dana.py",),
     "test_async::test_nonfinite_updates_are_skipped_and_counted_or_raise[skip]": (
         "ps_nonfinite.py", "skip"),

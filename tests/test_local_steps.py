@@ -156,3 +156,25 @@ def test_local_steps_on_a_real_cluster(request, shared_cluster):
     assert "steps_per_execution=2" in errors["steps_per_execution"]
     assert "overrides train_step" in errors["train_step"]
     assert "got LossScaleOptimizer" in errors["loss_scale"]
+
+
+def test_a_backup_holds_the_outer_optimizer_and_the_elastic_copies(request, shared_cluster):
+    """BackupAndRestore under local steps keeps the state beside the model:
+    an outer optimizer's (SGD with Nesterov momentum, Delayed Nesterov's
+    momentum and push buffer) and EASGD's per-worker copies. A fit stopped
+    after its first epoch's backup, then a fresh model restoring it
+    (tests/scripts/ps_local_backup.py)."""
+    result, _ = shared_cluster.result(request.node)
+    outer, elastic = ["model", "outer", "outer_slots"], ["elastic", "model"]
+    for name, groups in (("nesterov", outer), ("delayed_nesterov", outer), ("elastic", elastic)):
+        check = result[name]
+        assert check["groups"] == groups, (name, check)
+        assert check["restored_epoch"] == 1 and check["epochs_run"] == 2, (name, check)
+        # The restore gives back exactly what the backup holds ...
+        for group, differences in check["restored"].items():
+            assert max(differences) == 0.0, (name, group, differences)
+        # ... and each of those variables differed in the fresh run before
+        # it (its own initial weights, zero momentum, copies of its weights).
+        for group in groups:
+            if group != "outer":  # the learning rate is the same in both
+                assert min(check["fresh"][group]) > 0, (name, group, check["fresh"][group])

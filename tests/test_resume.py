@@ -183,6 +183,45 @@ def test_a_backup_whose_optimizer_differs_is_refused_not_half_loaded(tmp_path):
         model.fit(X, Y, epochs=2, verbose=0, callbacks=[BackupAndRestore(tmp_path)])
 
 
+def test_a_backup_without_local_steps_state_restores_the_rest_and_says_so(tmp_path,
+                                                                          kd_messages):
+    """A backup an earlier keras_dist wrote holds no outer-optimizer state
+    (tests/test_local_steps.py checks the backups that do): restoring it
+    into training that has an outer optimizer restores the model and its
+    optimizer, leaves the outer optimizer as it is, and warns."""
+    saved = _model()
+    saved.fit(X, Y, epochs=1, verbose=0,
+              callbacks=[BackupAndRestore(tmp_path, delete_checkpoint=False)])
+    model = _model()
+    # What local-steps training keeps beside the model (set by its executor
+    # before the callbacks' on_train_begin): an outer optimizer with momentum.
+    outer = keras.optimizers.SGD(0.7, momentum=0.9)
+    outer.build(model.trainable_variables)
+    for slot in outer.variables[2:]:
+        slot.assign(np.full(slot.shape, 0.25))
+    model.__dict__["outer_optimizer"] = outer
+
+    class Restored(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            self.weights = [w.numpy() for w in model.weights]
+            self.outer = [v.numpy() for v in outer.variables[2:]]
+
+    restored = Restored()
+    model.fit(X, Y, epochs=2, verbose=0, callbacks=[BackupAndRestore(tmp_path), restored])
+    for got, want in zip(restored.weights, saved.weights):
+        np.testing.assert_array_equal(got, want.numpy())
+    assert all((slot == 0.25).all() for slot in restored.outer)
+    assert [m for m in kd_messages if "holds no outer-optimizer or EASGD state" in m], kd_messages
+    # A count that fits neither layout is refused, naming all three parts.
+    _model().fit(X, Y, epochs=1, verbose=0,
+                 callbacks=[BackupAndRestore(tmp_path / "other", delete_checkpoint=False)])
+    other = _model()
+    other.compile(keras.optimizers.SGD(0.1, momentum=0.9), "mse")  # other slots
+    other.__dict__["outer_optimizer"] = outer
+    with pytest.raises(ValueError, match="this model, its optimizer and its local steps' state"):
+        other.fit(X, Y, epochs=2, verbose=0, callbacks=[BackupAndRestore(tmp_path / "other")])
+
+
 def test_resume_under_mirrored_with_keras_dist_loop(tmp_path):
     strategy = kd.resolve_strategy("mirrored", devices=CPUS)
 

@@ -52,7 +52,8 @@ class BackupAndRestore(keras.callbacks.Callback):
     Each backup holds the model's variables (weights, non-trainable state,
     seed generators), the optimizer's state, the epoch and the step within
     it, the metrics' state of that epoch so far and (asynchronous training)
-    the parameter version. The training thread reads it all at once (one
+    the parameter version; with local steps, also the outer optimizer's
+    state and EASGD's per-worker copies of the weights. The training thread reads it all at once (one
     round trip under parameter servers); a thread of its own writes it into
     a new directory under `backup_dir` with a checksum of every file while
     training goes on (an epoch's backup is in force before the next epoch
@@ -274,7 +275,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                     model.optimizer.build(model.trainable_variables)
                 path = os.path.join(checkpoint["path"], _ARRAYS)
                 if os.path.exists(path):
-                    _assign(_state_variables(model), path)
+                    _assign(_model_state(model), path, _local_state(model))
                 else:  # a backup of keras_dist <= 0.x: Keras' weights file
                     model.load_weights(os.path.join(checkpoint["path"], _WEIGHTS))
             skipped = [str(w.message) for w in caught if "Skipping variable loading"
@@ -607,10 +608,32 @@ _HELD = {}  # lock path -> open file, for the locks this process holds
 
 def _state_variables(model):
     """What a backup holds, in a fixed order: the model's variables (weights,
-    non-trainable state, seed generators') and the optimizer's."""
+    non-trainable state, seed generators'), the optimizer's, then the state
+    local steps keep beside them (`_local_state`)."""
+    return _model_state(model) + _local_state(model)
+
+
+def _model_state(model):
     variables = list(model.variables)
     if model.optimizer is not None:
         variables += list(model.optimizer.variables)
+    return variables
+
+
+def _local_state(model):
+    """The state of local-steps training outside the model and its optimizer,
+    on the parameter servers: the outer optimizer's variables (its step
+    count, momentum, Delayed Nesterov's push buffer) and EASGD's per-worker
+    copies of the weights. Without them a resumed run would start its outer
+    momentum from zero and its workers' copies from the weights the model
+    had before the restore."""
+    variables = []
+    outer = model.__dict__.get("outer_optimizer")
+    if outer is not None:
+        variables += list(outer.variables)
+    copies = model.__dict__.get("elastic_copies")
+    if copies is not None:
+        variables += list(copies.variables)
     return variables
 
 
@@ -626,13 +649,24 @@ def _read_arrays(path):
         return [saved[f"a{i}"] for i in range(len(saved.files))]
 
 
-def _assign(variables, path):
-    """Assigns the arrays saved at `path` to `variables`, refusing any
-    mismatch (count, shape) before assigning anything."""
+def _assign(variables, path, local=()):
+    """Assigns the arrays saved at `path` to `variables` and then `local`
+    (`_local_state`), refusing any mismatch (count, shape) before assigning
+    anything. A backup of an earlier keras_dist holds no `local` state: it is
+    restored without it (the outer optimizer and EASGD's copies start
+    afresh), with a warning."""
     arrays = _read_arrays(path)
+    if local and len(arrays) == len(variables):
+        logger.warning(
+            "keras_dist: the backup %s holds no outer-optimizer or EASGD state (an earlier "
+            "keras_dist wrote it); the model and its optimizer are restored, that state "
+            "starts afresh.", os.path.dirname(path))
+    else:
+        variables = list(variables) + list(local)
     if len(arrays) != len(variables):
-        raise ValueError(f"it holds {len(arrays)} variables, this model and its optimizer "
-                         f"have {len(variables)}")
+        what = ("this model, its optimizer and its local steps' state" if local
+                else "this model and its optimizer")
+        raise ValueError(f"it holds {len(arrays)} variables, {what} have {len(variables)}")
     for i, (variable, array) in enumerate(zip(variables, arrays)):
         if tuple(variable.shape) != array.shape:
             raise ValueError(f"variable {i} ({getattr(variable, 'path', variable.name)}) "
