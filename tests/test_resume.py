@@ -222,6 +222,23 @@ def test_a_backup_without_local_steps_state_restores_the_rest_and_says_so(tmp_pa
         other.fit(X, Y, epochs=2, verbose=0, callbacks=[BackupAndRestore(tmp_path / "other")])
 
 
+def test_an_easgd_backup_of_another_worker_count_is_refused_naming_both(tmp_path):
+    """EASGD's copies have a row per worker (kept beside the model by its
+    executor): a backup taken with 2 workers cannot resume 3."""
+    from keras_dist.training.local_steps import ElasticCopies
+
+    def fit(workers, **backup):
+        model = _model()
+        model.__dict__["elastic_copies"] = ElasticCopies(model, workers=workers, alpha=0.3)
+        model.fit(X, Y, epochs=1, verbose=0, callbacks=[BackupAndRestore(tmp_path, **backup)])
+
+    fit(2, delete_checkpoint=False)
+    with pytest.raises(ValueError, match="the backup holds 2, this run has 3 workers. Resume "
+                                         "with 2 workers"):
+        fit(3)
+    fit(2)  # the same count resumes
+
+
 def test_resume_under_mirrored_with_keras_dist_loop(tmp_path):
     strategy = kd.resolve_strategy("mirrored", devices=CPUS)
 

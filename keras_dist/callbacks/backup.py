@@ -275,7 +275,8 @@ class BackupAndRestore(keras.callbacks.Callback):
                     model.optimizer.build(model.trainable_variables)
                 path = os.path.join(checkpoint["path"], _ARRAYS)
                 if os.path.exists(path):
-                    _assign(_model_state(model), path, _local_state(model))
+                    _assign(_model_state(model), path, _local_state(model),
+                            {id(v) for v in _elastic_copies(model)})
                 else:  # a backup of keras_dist <= 0.x: Keras' weights file
                     model.load_weights(os.path.join(checkpoint["path"], _WEIGHTS))
             skipped = [str(w.message) for w in caught if "Skipping variable loading"
@@ -627,14 +628,13 @@ def _local_state(model):
     copies of the weights. Without them a resumed run would start its outer
     momentum from zero and its workers' copies from the weights the model
     had before the restore."""
-    variables = []
     outer = model.__dict__.get("outer_optimizer")
-    if outer is not None:
-        variables += list(outer.variables)
+    return (list(outer.variables) if outer is not None else []) + _elastic_copies(model)
+
+
+def _elastic_copies(model):
     copies = model.__dict__.get("elastic_copies")
-    if copies is not None:
-        variables += list(copies.variables)
-    return variables
+    return list(copies.variables) if copies is not None else []
 
 
 def _write_arrays(path, arrays):
@@ -649,9 +649,10 @@ def _read_arrays(path):
         return [saved[f"a{i}"] for i in range(len(saved.files))]
 
 
-def _assign(variables, path, local=()):
+def _assign(variables, path, local=(), per_worker=frozenset()):
     """Assigns the arrays saved at `path` to `variables` and then `local`
-    (`_local_state`), refusing any mismatch (count, shape) before assigning
+    (`_local_state`; `per_worker`: the ids of those with a row per worker,
+    EASGD's copies), refusing any mismatch (count, shape) before assigning
     anything. A backup of an earlier keras_dist holds no `local` state: it is
     restored without it (the outer optimizer and EASGD's copies start
     afresh), with a warning."""
@@ -668,6 +669,12 @@ def _assign(variables, path, local=()):
                 else "this model and its optimizer")
         raise ValueError(f"it holds {len(arrays)} variables, {what} have {len(variables)}")
     for i, (variable, array) in enumerate(zip(variables, arrays)):
+        if (id(variable) in per_worker and variable.shape[0] != array.shape[0]
+                and tuple(variable.shape[1:]) == array.shape[1:]):
+            raise ValueError(
+                f"EASGD keeps one copy of the weights per worker: the backup holds "
+                f"{array.shape[0]}, this run has {variable.shape[0]} workers. Resume with "
+                f"{array.shape[0]} workers")
         if tuple(variable.shape) != array.shape:
             raise ValueError(f"variable {i} ({getattr(variable, 'path', variable.name)}) "
                              f"has shape {tuple(variable.shape)} here and {array.shape} "
