@@ -53,12 +53,13 @@ class BackupAndRestore(keras.callbacks.Callback):
     seed generators), the optimizer's state, the epoch and the step within
     it, the metrics' state of that epoch so far and (asynchronous training)
     the parameter version; with local steps, also the outer optimizer's
-    state and EASGD's per-worker copies of the weights. The training thread reads it all at once (one
-    round trip under parameter servers); a thread of its own writes it into
-    a new directory under `backup_dir` with a checksum of every file while
-    training goes on (an epoch's backup is in force before the next epoch
-    starts), and only then does `backup_dir/latest.json` point at it (an
-    atomic rename): a crash at any moment leaves a whole backup in force. The previous backup is kept
+    state and EASGD's per-worker copies of the weights. The training thread
+    reads it all at once (one round trip under parameter servers); a thread
+    of its own writes it into a new directory under `backup_dir` with a
+    checksum of every file while training goes on (an epoch's backup is in
+    force before the next epoch starts), and only then does
+    `backup_dir/latest.json` point at it (an atomic rename): a crash at any
+    moment leaves a whole backup in force. The previous backup is kept
     (`keep=2`) and a newest one found damaged when restoring (a truncated
     or corrupted file) is skipped for the one before, with one warning naming
     the file.
