@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-ray docs bench dist compat keras-suite clean
+.PHONY: demo test test-ray durations docs bench dist compat keras-suite clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -18,12 +18,23 @@ $(STAMP): pyproject.toml | $(PY)
 demo: $(STAMP)
 	$(VENV)/bin/keras-dist-run --workers 2 --ps 1 -- $(PY) examples/train_digits.py
 
-## test: the whole test suite but Ray's (pytest exit 5, "no tests ran", counts as failure), then the docs build
+## test: the whole test suite but Ray's on $(TEST_WORKERS) xdist workers (tests/suite_plan.py),
+## then the 20 slowest tests (every test's seconds: $(DURATIONS)), then the docs build.
+## pytest exit 5, "no tests ran", counts as failure.
+TEST_WORKERS ?= 2
+DURATIONS    := logs/test-durations.json
 test: $(STAMP)
-	@$(PY) -m pytest -m "not ray"; rc=$$?; \
+	@$(PY) -m pytest -m "not ray" -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder \
+	    --durations-json=$(DURATIONS); rc=$$?; \
+	$(PY) tools/durations.py $(DURATIONS) --top 20 || true; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; \
 	exit $$rc
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir $(VENV)/site
+
+## durations: tests/DURATIONS.md (where the suite's time goes) and tests/durations.json (the order
+## work goes out in) from the last `make test` run
+durations:
+	$(PY) tools/durations.py $(DURATIONS) --top 40 --write
 
 ## test-ray: keras_dist.ray's tests on a local Ray (installs the ray extra; ~3 min on 2 cores)
 test-ray: $(STAMP)

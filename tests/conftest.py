@@ -23,6 +23,128 @@ tf.config.set_logical_device_configuration(
     _cpu, [tf.config.LogicalDeviceConfiguration()] * len(CPUS))
 
 
+# ------------------------------------------------------- parallel runs, timing
+# `make test` runs the suite on pytest-xdist workers; tests/suite_plan.py
+# says how (work units, their order, `alone` tests) and records durations.
+_recorder = None
+_run_dir = None   # the run's folder (suite_plan.RunDir), under xdist
+_turns = None
+_CPU_AT_START = pytest.StashKey[float]()
+
+
+def _xdist_worker(config):
+    return hasattr(config, "workerinput")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--durations-json", metavar="PATH", default=None,
+                     help="write every test's setup/call/teardown seconds to PATH as JSON "
+                          "(tools/durations.py reads it)")
+
+
+def pytest_configure(config):
+    global _recorder, _run_dir
+    config.addinivalue_line(
+        "markers", "alone: what it asserts depends on the machine's spare CPU; under "
+                   "xdist it runs while no other cluster test does (tests/suite_plan.py)")
+    if _xdist_worker(config):
+        _run_dir = config.workerinput.get("keras_dist_run_dir")
+        return
+    if getattr(config.option, "dist", "no") != "no" and getattr(
+            config.option, "numprocesses", None):
+        from suite_plan import RunDir
+
+        _run_dir = RunDir.create()
+    path = config.getoption("durations_json")
+    if path:  # on the xdist controller, or in a plain run
+        from suite_plan import DurationRecorder
+
+        _recorder = DurationRecorder(path, getattr(config.option, "numprocesses", None) or 0)
+
+
+def pytest_unconfigure(config):
+    if _run_dir is not None and not _xdist_worker(config):
+        from suite_plan import RunDir
+
+        RunDir.remove(_run_dir)
+
+
+@pytest.fixture(scope="session")
+def made_once(tmp_path_factory):
+    """`made_once(name, make)`: a folder that `make(folder)` fills once per
+    test run, shared by the xdist workers (the first to ask makes it), e.g.
+    a reference run several tests compare against. Without xdist, once per
+    session."""
+    import pathlib
+
+    from suite_plan import made_once as once
+
+    root = _run_dir or str(tmp_path_factory.mktemp("made_once"))
+    return lambda name, make: pathlib.Path(once(root, name, make))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """(xdist, on the controller) tells each worker the run's folder."""
+    if _run_dir is not None:
+        node.workerinput["keras_dist_run_dir"] = _run_dir
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if _run_dir is None or config.getoption("dist") != "loadgroup":
+        return None
+    from suite_plan import make_scheduler
+
+    return make_scheduler(config, log, _run_dir)
+
+
+def pytest_collection_modifyitems(config, items):
+    if _xdist_worker(config) and _run_dir is not None:  # work units, in order
+        from suite_plan import RunDir, plan
+
+        RunDir.write_units(_run_dir, plan(items, set(SHARED_SCENARIOS)))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    if _recorder is not None or _xdist_worker(item.config):
+        from suite_plan import cpu_seconds
+
+        item.stash[_CPU_AT_START] = cpu_seconds()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    if call.when == "teardown" and _CPU_AT_START in item.stash:
+        from suite_plan import cpu_seconds
+
+        outcome.get_result().user_properties.append(
+            ("cpu_seconds", round(cpu_seconds() - item.stash[_CPU_AT_START], 2)))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under xdist: `alone` tests wait until no cluster test runs on another
+    worker and keep them out meanwhile; a `multiprocess` test waits while
+    `alone` ones run. Around setup too: a module's or the session's
+    cluster starts in the first test's setup."""
+    global _turns
+    alone = item.get_closest_marker("alone") is not None
+    if _run_dir is None or not _xdist_worker(item.config) or not (
+            alone or item.get_closest_marker("multiprocess") is not None):
+        yield
+        return
+    from suite_plan import Turns
+
+    _turns = _turns or Turns(_run_dir)
+    keep = nextitem is not None and nextitem.get_closest_marker("alone") is not None
+    with _turns.turn(alone, keep) as waited:
+        item.user_properties.append(("waited_for_turn", round(waited, 2)))
+        yield
+
+
 # ------------------------------------------------------------------ make compat
 # `@pytest.mark.compat("path")` names the tests that `make compat`
 # (tools/compat.py) runs against each tested TensorFlow x Keras pair, grouped
@@ -44,6 +166,8 @@ def pytest_collection_finish(session):
 
 
 def pytest_runtest_logreport(report):
+    if _recorder is not None:
+        _recorder.add(report)
     if report.nodeid not in _compat_paths:
         return
     if report.failed or (report.when == "call" and report.outcome != "passed"):
@@ -52,7 +176,9 @@ def pytest_runtest_logreport(report):
         _compat_outcomes.setdefault(report.nodeid, "passed")
 
 
-def pytest_sessionfinish(session):
+def pytest_sessionfinish(session, exitstatus):
+    if _recorder is not None:
+        _recorder.write(exitstatus)
     path = os.environ.get("KD_COMPAT_REPORT")
     if not path:
         return

@@ -274,6 +274,9 @@ class Runner:
     def submit(self, key, fn, *args):
         self._futures[key] = self._pool.submit(fn, self, *args)
 
+    def submitted(self, key):
+        return key in self._futures
+
     def result(self, key):
         return self._futures[key].result()
 

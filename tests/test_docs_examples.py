@@ -53,9 +53,10 @@ the site), one directive each, several allowed:
   or `continuing`; `test_continue_blocks_say_so`): the reader cannot see
   the marker.
 - `<!-- docs-test: complete-script -->`: the block is a complete script, one
-  block, as a reader saves it to a file (other tests find these and run them
-  in several cluster shapes). It runs here as the block would without the
-  marker; it cannot be a `continue` block.
+  block, as a reader saves it to a file. tests/test_shapes.py runs it, from
+  a file in a fresh process, in one process and in three cluster shapes;
+  not here (that would be its one-process run again). It cannot be a
+  `continue` block.
 - `<!-- docs-test: raises NAME[: TEXT] -->`: the Python block must raise the
   exception class NAME (e.g. `ValueError`), with TEXT in its message if
   given; a block that continues it runs after it.
@@ -99,7 +100,8 @@ for _page in docblocks.PAGES:
         PROBLEMS.append(str(error))
 
 SCRIPTS, SCRIPT_PROBLEMS = docblocks.scripts(ALL)
-PYTHON_SCRIPTS = {s.where: s for s in SCRIPTS if s.kind == "python"}
+PYTHON_SCRIPTS = {s.where: s for s in SCRIPTS if s.kind == "python"
+                  and s.head.marker("complete-script") is None}  # test_shapes runs those
 CLUSTERS = {s.where: s for s in SCRIPTS if s.kind == "cluster"}
 PYTHON_PAGES = {}
 for _script in PYTHON_SCRIPTS.values():
@@ -226,8 +228,25 @@ def jobs(request):
     prefix, reason = docblocks.sandbox_prefix()
     if prefix is None:
         print(f"[docs-test] running without namespaces: {reason}")
-    runner = docblocks.Runner(prefix, workers=int(os.environ.get("KD_DOCS_TEST_JOBS", "2")))
     workdirs = _Workdirs()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # Under xdist (`make test`) the workers are the pool: each test runs
+        # its own job when it comes (tests/suite_plan.py orders them).
+        runner = docblocks.Runner(prefix, workers=1)
+        by_name = {job.__name__: job for job in (_shell_job, _cluster_job, _python_job)}
+        submit_and_wait = runner.result
+
+        def result(key):
+            if not runner.submitted(key):
+                runner.submit(key, by_name[key[0]], workdirs, key[1])
+            return submit_and_wait(key)
+
+        runner.result = result
+        yield runner
+        runner.close()
+        shutil.rmtree(workdirs.root, ignore_errors=True)
+        return
+    runner = docblocks.Runner(prefix, workers=int(os.environ.get("KD_DOCS_TEST_JOBS", "2")))
     wanted = {"test_shell_blocks": (0, _shell_job), "test_cluster_block": (1, _cluster_job),
               "test_python_blocks": (2, _python_job)}
     selected = []

@@ -26,14 +26,16 @@ import pytest
 import netns
 from procs import ASYNC_LEARNS, REPO
 
-pytestmark = pytest.mark.multiprocess
+# `alone`: training must go on at its pace while the link is cut (epochs
+# counted over 15 s).
+pytestmark = [pytest.mark.multiprocess, pytest.mark.alone]
 
 REASON = netns.available()
 
 
 @pytest.mark.skipif(REASON is not None, reason=f"virtual hosts unavailable: {REASON}")
 def test_async_training_survives_a_cut_link_and_uses_the_worker_again(tmp_path):
-    epochs = 200  # ~0.15 s each: the cut (15 s) and worker 1's return fit in
+    epochs = 400  # at most (~0.15 s each); the chief stops once worker 1 is back
     with netns.VirtualHosts(4) as hosts:
         a = hosts.addresses
         spec = {"chief": [f"{a[0]}:2222"], "ps": [f"{a[1]}:2222"],
@@ -71,6 +73,13 @@ def test_async_training_survives_a_cut_link_and_uses_the_worker_again(tmp_path):
         print(f"worker 1 cut off for {cut_for:.1f} s; training went {during_cut} epochs on")
         hosts.restore(3)
         restored_in = epoch()  # 1-based, the epoch in progress
+        # Once worker 1 has done an update after the link came back, the
+        # chief stops (ps_long.py's stop file) two epochs later.
+        while chief.poll() is None and time.monotonic() < deadline and not any(
+                int(n) > restored_in for n in re.findall(
+                    r"updates after epoch (\d+): .*\"1\": [1-9]", log.read_text())):
+            time.sleep(0.2)
+        (tmp_path / "stop").touch()
         try:
             chief.wait(max(1, deadline - time.monotonic()))
         except Exception:

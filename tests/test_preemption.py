@@ -11,6 +11,7 @@ counting every update once.
 
 import json
 import os
+import pathlib
 import re
 import shutil
 import signal
@@ -129,11 +130,30 @@ def pids(proc, roles, count):
         time.sleep(0.05)
 
 
-@pytest.fixture(scope="module")
-def one_device_reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("reference")
+# The uninterrupted runs the tests compare against: made once per test run
+# (shared by the xdist workers: conftest's `made_once`).
+def _one_device_run(out):
+    out = pathlib.Path(out)
     assert finish(train(out)) == 0
-    return result(out)
+
+
+def _multiworker_run(out):
+    out = pathlib.Path(out)
+    reference_run = launch(out, ps=0)
+    assert finish(reference_run) == 0, log(reference_run)[-3000:]
+
+
+@pytest.fixture(scope="module")
+def one_device_reference(made_once):
+    """An uninterrupted one-process run of the script."""
+    return result(made_once("preemption_one_device", _one_device_run))
+
+
+@pytest.fixture(scope="module")
+def multiworker_reference(made_once):
+    """An uninterrupted job under `keras-dist-run --workers 2` (MultiWorkerMirrored),
+    the reference of the tests that preempt the same job."""
+    return result(made_once("preemption_multiworker", _multiworker_run))
 
 
 @pytest.mark.multiprocess
@@ -166,10 +186,7 @@ def test_sigterm_mid_epoch_saves_exits_75_and_the_rerun_matches_an_uninterrupted
 
 @pytest.mark.multiprocess
 def test_multiworker_job_sigtermed_on_every_task_restarts_and_matches_an_uninterrupted_job(
-        tmp_path):
-    reference_run = launch(tmp_path / "reference", ps=0)
-    assert finish(reference_run) == 0, log(reference_run)[-3000:]
-    reference = result(tmp_path / "reference")
+        tmp_path, multiworker_reference):
     run = tmp_path / "preempted"
     proc = launch(run, ps=0)
     try:
@@ -186,7 +203,7 @@ def test_multiworker_job_sigtermed_on_every_task_restarts_and_matches_an_uninter
         text[-3000:]
     resumed = result(run)
     assert resumed["restored_epoch"] == 1 and resumed["restored_step"] >= 5
-    assert_same_run(resumed, reference)
+    assert_same_run(resumed, multiworker_reference)
 
 
 @pytest.mark.multiprocess
@@ -226,7 +243,7 @@ def latest_pids(proc, roles):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("ps", [0, 1], ids=["multiworker", "ps"])
-def test_random_tasks_sigkilled_three_times_the_job_finishes_by_itself(tmp_path, ps):
+def test_random_tasks_sigkilled_three_times_the_job_finishes_by_itself(tmp_path, ps, request):
     """SIGKILL (no warning, no save) a random task at three points of the
     run under --max-restarts 10: keras-dist-run restarts the job from the
     newest backup (save_freq 10) each time -- under parameter servers a
@@ -235,9 +252,8 @@ def test_random_tasks_sigkilled_three_times_the_job_finishes_by_itself(tmp_path,
     counted."""
     rng = np.random.default_rng(ps)
     roles = ("chief", "ps", "worker") if ps else ("worker",)
-    if not ps:
-        reference_run = launch(tmp_path / "reference", ps=0)
-        assert finish(reference_run) == 0, log(reference_run)[-3000:]
+    # (Only the synchronous case compares with an uninterrupted job.)
+    reference = None if ps else request.getfixturevalue("multiworker_reference")
     run = tmp_path / "killed"
     proc = launch(run, ps=ps, max_restarts=10)
     killed = []
@@ -267,7 +283,7 @@ def test_random_tasks_sigkilled_three_times_the_job_finishes_by_itself(tmp_path,
             (resumed["version"], killed)
     else:
         assert [t for t, _ in restarts] == killed, (killed, restarts)
-        assert_same_run(resumed, result(tmp_path / "reference"))
+        assert_same_run(resumed, reference)
     history = full_history(resumed)
     assert len(history["loss"]) == EPOCHS
 

@@ -194,11 +194,18 @@ def test_a_killed_worker_is_restarted_on_its_actor_and_training_completes(tmp_pa
     """SIGKILL worker 1's process in epoch 3, from outside: its actor starts
     it again at its address and it contributes again (as under
     keras-dist-run: tests/test_async.py)."""
+    killed = []
+
     def kill_worker_1(line, output):
-        if "[chief:0] Epoch 3/" in line:
-            pid = int(re.findall(r"started worker:1 \(pid (\d+) on ", output)[-1])
-            os.killpg(pid, signal.SIGKILL)
-            return pid
+        if not killed and "[chief:0] Epoch 3/" in line:
+            killed.append(int(re.findall(r"started worker:1 \(pid (\d+) on ", output)[-1]))
+            os.killpg(killed[0], signal.SIGKILL)
+        # Once the restarted worker has done an update, the chief stops two
+        # epochs later (ps_long.py's stop file).
+        back = re.search(r"\[chief:0\] updates after epoch (\d+): .*\"1\": [1-9]", line)
+        if killed and back and int(back.group(1)) > 3:
+            (tmp_path / "stop").touch()
+            return killed[0]
 
     code, text, killed = drive(["--workers", "2", "--ps", "1", "--", sys.executable,
                                 "tests/scripts/ps_long.py", str(tmp_path), "150"], kill_worker_1)

@@ -12,7 +12,8 @@ Each "complete script" of the docs (a block marked
 and must exit 0 with its test accuracy (a dict it prints, or the
 evaluation's progress line) in what the chief (or the single process)
 printed last. The runs start together, two at a time, when the first test
-needs them (a cluster run takes ~20-40 s here).
+needs them (a cluster run takes ~20-40 s here); under pytest-xdist (`make
+test`) each test runs its own, the workers being the pool.
 """
 
 import concurrent.futures
@@ -80,6 +81,8 @@ def _run(block, shape):
 
 
 def _job(block, shape):
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test`: the xdist workers are the pool
+        return _run(block, shape)
     if not _jobs:
         pool = concurrent.futures.ThreadPoolExecutor(2)
         for b in SCRIPTS:

@@ -23,6 +23,9 @@ import pytest
 import keras_dist as kd
 from procs import ASYNC_LEARNS, REPO
 
+# `alone`: what these assert is timed (epochs while a worker is stopped
+# against epochs before; no epoch waited for it), except the duty cycles,
+# which count updates.
 pytestmark = pytest.mark.multiprocess
 
 
@@ -32,7 +35,7 @@ class Cluster:
 
     def __init__(self, tmp_path, *args):
         env = {k: v for k, v in os.environ.items() if k != "TF_GRPC_DEFAULT_OPTIONS"}
-        self.tmp_path, self.lines, self.epoch_ends = tmp_path, [], []
+        self.tmp_path, self.lines, self.epoch_ends, self.updates = tmp_path, [], [], []
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "keras_dist.cluster.launch", "--workers", "2", "--ps", "1", "--",
              sys.executable, "tests/scripts/ps_stall.py", str(tmp_path), *map(str, args)],
@@ -44,7 +47,9 @@ class Cluster:
     def _read(self):
         for line in self.proc.stdout:
             self.lines.append(line)
-            if re.search(r"\[chief:0\] epoch \d+ ended", line):
+            found = re.search(r"\[chief:0\] epoch \d+ ended at \S+ updates (\{.*\})", line)
+            if found:
+                self.updates.append(json.loads(found.group(1)))
                 self.epoch_ends.append(time.monotonic())
 
     @property
@@ -60,6 +65,19 @@ class Cluster:
         while len(self.epoch_ends) < n:
             assert self.proc.poll() is None and time.monotonic() < deadline, self.output[-4000:]
             time.sleep(0.05)
+
+    def stop_after(self, more, worker=None, timeout=180):
+        """Lets `more` epochs end from now (and, with `worker`, until one of
+        them had an update of that worker's), then tells the chief to stop
+        at the end of its next (ps_stall.py's stop file): a run as long as
+        the test needs, on a fast or a loaded machine alike."""
+        first = len(self.epoch_ends)
+        deadline = time.monotonic() + timeout
+        while len(self.epoch_ends) < first + more or worker is not None and not any(
+                u.get(worker, 0) for u in self.updates[first:]):
+            assert self.proc.poll() is None and time.monotonic() < deadline, self.output[-4000:]
+            time.sleep(0.05)
+        (self.tmp_path / "stop").touch()
 
     def finish(self, timeout):
         try:
@@ -93,21 +111,34 @@ def epoch_seconds(result):
     return np.array([end - begin for begin, end in result["epoch_times"]])
 
 
+# An idle cluster collects gRPC ping strikes only if keras_dist's channels
+# ping without calls in flight (keepalive.py): with pings every 5 s, the
+# servers' third strike (a ping within 5 min of the last, no data between)
+# comes ~20 s after the last call, and is answered with GOAWAY. 25 s idle
+# shows it.
+IDLE = 25
+# Worker 1 is stopped longer than it takes to declare a worker lost
+# (~10 s, keepalive.py), so a step that waited for it would show.
+STOP = 15
+
+
+@pytest.mark.alone
 def test_a_stopped_worker_holds_only_its_own_step_and_an_idle_cluster_is_never_sent_goaway(
         tmp_path):
-    """Worker 1 is stopped for 45 s after epoch 3, then continued; after
-    `fit` the chief sits idle for 60 s and trains one epoch more."""
-    epochs, steps = 80, 200
-    cluster = Cluster(tmp_path, epochs, steps, 1, 1, 60)
+    """Worker 1 is stopped for `STOP` s after epoch 3, then continued; after
+    `fit` the chief sits idle for `IDLE` s and trains one epoch more."""
+    epochs, steps = 200, 200
+    cluster = Cluster(tmp_path, epochs, steps, 1, 1, IDLE)
     cluster.wait_for_epochs(3)
     worker1 = cluster.pid("worker:1")
     os.kill(worker1, signal.SIGSTOP)
     stopped_at = time.time()
     try:
-        time.sleep(45)
+        time.sleep(STOP)
     finally:
         os.kill(worker1, signal.SIGCONT)
     continued_at = time.time()
+    cluster.stop_after(3, worker="1")
     result = cluster.finish(timeout=400)
     output = cluster.output
 
@@ -121,17 +152,18 @@ def test_a_stopped_worker_holds_only_its_own_step_and_an_idle_cluster_is_never_s
     seconds = epoch_seconds(result)
     frozen = [i for i, (b, e) in enumerate(times) if b > stopped_at and e < continued_at]
     before = [i for i, (b, e) in enumerate(times) if 0 < i and e < stopped_at]
-    assert len(frozen) >= 10, (seconds.tolist(), stopped_at, continued_at)
+    assert len(frozen) >= 3, (seconds.tolist(), stopped_at, continued_at)
     print(f"epochs before the stop: median {np.median(seconds[before]):.2f} s; while "
           f"stopped: {np.median(seconds[frozen]):.2f} s")
     assert np.median(seconds[frozen]) <= 2.5 * np.median(seconds[before]), seconds.tolist()
-    # The epoch it was stopped in waited for nothing either.
+    # The epoch it was stopped in waited for nothing either (waiting would
+    # take the whole stop, or the ~10 s to declare the worker lost).
     assert seconds.max() < 10, seconds.tolist()
     # Worker 0 did all of those epochs' updates ...
     per_epoch = result["updates_per_epoch"]
     assert all(per_epoch[i].get("1", 0) == 0 for i in frozen), [per_epoch[i] for i in frozen]
     # ... and worker 1 worked again once continued (in some epoch after).
-    after = [i for i, (b, e) in enumerate(times[:epochs]) if b > continued_at]
+    after = [i for i, (b, e) in enumerate(times) if b > continued_at]
     assert after and any(per_epoch[i].get("1", 0) > 0 for i in after), per_epoch[-10:]
     # Its step in flight was judged stuck (said once), and every step is
     # accounted for.
@@ -139,7 +171,7 @@ def test_a_stopped_worker_holds_only_its_own_step_and_an_idle_cluster_is_never_s
     counts = check_counts(result)
     assert counts["lost"] == 0 and counts["late"] >= 1, counts
     assert result["test_accuracy"] >= ASYNC_LEARNS
-    # A minute idle (and the freeze) without any server refusing our pings,
+    # `IDLE` seconds idle (and the freeze) without any server refusing our pings,
     # and the cluster still trains after it.
     assert "too_many_pings" not in output
     extra = result["after_idle"]
@@ -147,13 +179,20 @@ def test_a_stopped_worker_holds_only_its_own_step_and_an_idle_cluster_is_never_s
     assert extra["version"] - result["version"] == steps, extra
 
 
+@pytest.mark.alone
 def test_a_worker_stopped_for_good_is_declared_lost_and_its_step_runs_elsewhere(tmp_path):
-    epochs, steps = 20, 200
+    epochs, steps = 200, 200
     cluster = Cluster(tmp_path, epochs, steps)
     cluster.wait_for_epochs(2)
     worker1 = cluster.pid("worker:1")
     os.kill(worker1, signal.SIGSTOP)  # never continued
     stopped_at = time.monotonic()
+    lost = "Worker /job:worker/replica:0/task:1 failed with UnavailableError"
+    deadline = stopped_at + 120
+    while lost not in cluster.output:
+        assert cluster.proc.poll() is None and time.monotonic() < deadline, cluster.output[-4000:]
+        time.sleep(0.1)
+    cluster.stop_after(2)
     result = cluster.finish(timeout=240)
     # The launcher stopped the frozen process too and left nothing behind.
     with pytest.raises(ProcessLookupError):
@@ -163,12 +202,10 @@ def test_a_worker_stopped_for_good_is_declared_lost_and_its_step_runs_elsewhere(
     seconds = epoch_seconds(result)
     assert seconds.max() < 12, seconds.tolist()
     assert all(e.get("1", 0) == 0 for e in result["updates_per_epoch"][3:])
-    output = cluster.output
-    assert "Worker /job:worker/replica:0/task:1 failed with UnavailableError" in output
     counts = check_counts(result)
     assert counts["lost"] == 0, counts  # the stuck step was rerun on worker 0
     assert result["test_accuracy"] >= ASYNC_LEARNS
-    assert len(times) == epochs and time.monotonic() - stopped_at < 200
+    assert len(times) >= 5 and time.monotonic() - stopped_at < 200
 
 
 @pytest.mark.parametrize("per_call, local", [(1, 1), (10, 1), (1, 8)],
@@ -188,24 +225,26 @@ def test_short_stops_duty_cycle(tmp_path, per_call, local):
     assert result["test_accuracy"] >= 0.85
 
 
+@pytest.mark.alone
 @pytest.mark.parametrize("mode, local", [("dana", 1), ("easgd", 4)])
 def test_a_stopped_worker_under_dana_and_easgd(tmp_path, mode, local):
     """The per-worker state of DANA (a velocity per worker) and EASGD (a
-    copy of the weights per worker) survives a worker stopped for 30 s: its
-    step or round lands late or is rerun by the other worker, with that
-    worker's own state."""
-    epochs, steps = 50, 160 * local
+    copy of the weights per worker) survives a worker stopped for 20 s
+    (longer than the 15 s an epoch may take here): its step or round lands
+    late or is rerun by the other worker, with that worker's own state."""
+    epochs, steps = 200, 160 * local
     cluster = Cluster(tmp_path, epochs, steps, 1, local, 0, mode)
     cluster.wait_for_epochs(2)
     worker1 = cluster.pid("worker:1")
     os.kill(worker1, signal.SIGSTOP)
     try:
-        time.sleep(30)
+        time.sleep(20)
     finally:
         os.kill(worker1, signal.SIGCONT)
+    cluster.stop_after(2)
     result = cluster.finish(timeout=300)
     seconds = epoch_seconds(result)
-    # Nobody waited for the 30 s. Local rounds return their results: a
+    # Nobody waited for the 20 s. Local rounds return their results: a
     # worker stopped while the chief copies one holds everyone until it is
     # declared lost (~10 s; docs/fault-tolerance.md), at most once here.
     assert seconds.max() < (15 if local > 1 else 10), seconds.tolist()

@@ -12,7 +12,8 @@ finished and ends an epoch once its steps have finished, whoever ran them.
 
 An execution still running after `stuck_after()` seconds -- a multiple
 (`STUCK_FACTOR`) of the median time executions take from being scheduled
-to being finished, at least `STUCK_FLOOR` -- is *stuck*: it stays in
+to being finished, at least `STUCK_FLOOR`; `FIRST_STUCK_AFTER` until one
+has finished -- is *stuck*: it stays in
 flight (when it lands, its update and logs count like any other, in the
 epoch it lands in: it is *late*), and the executor no longer counts on it
 to finish the epoch, so it schedules a *speculative* replacement, as
@@ -34,6 +35,13 @@ from typing import Any
 
 STUCK_FLOOR = 2.0
 """Seconds: no execution is judged stuck sooner than this after it was scheduled."""
+
+FIRST_STUCK_AFTER = 20.0
+"""Seconds after which an execution is judged stuck while no execution of
+this `fit` has finished yet: the first ones carry each worker's set-up of
+the step function, and on a loaded host they outlast `STUCK_FLOOR` (a
+2-core machine running two clusters took >2 s for the first execution of
+4 steps, and its speculative copy applied those steps twice)."""
 
 STUCK_FACTOR = 8.0
 """An execution is stuck once it has been in flight this many times the
@@ -185,8 +193,8 @@ class InFlight:
     # ------------------------------------------------------------ judging
     def stuck_after(self):
         """Seconds after which an execution in flight is judged stuck."""
-        if not self._times:
-            return STUCK_FLOOR
+        if not self._times:  # nothing measured yet: the first carry the set-up
+            return FIRST_STUCK_AFTER
         typical = sorted(self._times)[len(self._times) // 2]
         return max(STUCK_FLOOR, STUCK_FACTOR * typical)
 

@@ -2,9 +2,11 @@
 
 argv: out_dir epochs steps [steps_per_execution [local_steps [idle [mode]]]],
 mode "plain" (SGD with momentum), "dana" (`kd.optimizers.DANA`) or
-"easgd" (`elastic=0.5`, with local_steps). The
+"easgd" (`elastic=0.5`, with local_steps). `epochs` is at most: training
+stops at the end of the first epoch that finds out_dir/stop (the test
+writes it once it has seen what it waits for). The
 chief writes out_dir/result.json: the parameter version after `fit`, the
-steps its epochs have (epochs x steps), each epoch's wall time and updates
+steps its epochs had (epochs run x steps), each epoch's wall time and updates
 per worker, test accuracy, and the executor's step counts
 (`model.step_counts`). With idle > 0 the chief then sits idle that many
 seconds (the cluster connected, nothing running) and trains one epoch more
@@ -48,7 +50,10 @@ def main(out_dir, epochs, steps, per_call=1, local=1, idle=0, mode="plain"):
         times[-1].append(time.time())
         per_epoch.append({str(k): v for k, v in
                           model.staleness_stats.updates_per_worker().items()})
-        print(f"epoch {epoch + 1} ended at {times[-1][1]:.3f}", flush=True)
+        print(f"epoch {epoch + 1} ended at {times[-1][1]:.3f}, updates "
+              f"{json.dumps(per_epoch[-1], sort_keys=True)}", flush=True)
+        if os.path.exists(os.path.join(out_dir, "stop")):
+            model.stop_training = True
 
     record = keras.callbacks.LambdaCallback(on_epoch_begin=begin, on_epoch_end=end)
     kwargs = {"local_steps": local} if local > 1 else {}
@@ -63,7 +68,7 @@ def main(out_dir, epochs, steps, per_call=1, local=1, idle=0, mode="plain"):
         extra = {"version": model.version, "step_counts": model.step_counts}
     accuracy = model.evaluate(x_test, y_test, return_dict=True, verbose=0)["accuracy"]
     with open(os.path.join(out_dir, "result.json"), "w") as f:
-        json.dump({"version": version, "scheduled": epochs * steps, "after_idle": extra,
+        json.dump({"version": version, "scheduled": len(times) * steps, "after_idle": extra,
                    "test_accuracy": accuracy, "history": history.history,
                    "epoch_times": times, "updates_per_epoch": per_epoch,
                    "step_counts": counts}, f)
