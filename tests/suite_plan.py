@@ -257,6 +257,7 @@ class DurationRecorder:
         rows = [{"nodeid": nodeid, **row, "total": row["setup"] + row["call"] + row["teardown"]}
                 for nodeid, row in self.tests.items()]
         data = {"wall": time.time() - self.started, "workers": self.workers,
+                "cores": os.cpu_count(),
                 "exitstatus": int(exitstatus), "tests": rows}
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         with open(self.path, "w") as f:

@@ -54,6 +54,9 @@ def markdown(data, top=40):
     tests = data["tests"]
     total = sum(row["total"] for row in tests)
     cpu = sum(row.get("cpu", 0) for row in tests)
+    cores = data.get("cores") or data["workers"] or 1
+    heavy = [row for row in tests if row.get("cpu", 0) >= 10]
+    heavy_cpu = sum(row["cpu"] for row in heavy)
     by_module = collections.defaultdict(lambda: [0, 0.0, 0.0])
     for row in tests:
         module = row["nodeid"].split("::")[0]
@@ -76,6 +79,10 @@ def markdown(data, top=40):
         f"**{data['wall']:.0f} s** of wall time on {data['workers'] or 1} worker(s); exit "
         f"status {data['exitstatus']}.",
         "- Per worker: " + ", ".join(f"{w} {s:.0f} s" for w, s in sorted(by_worker.items())),
+        f"- The CPU bound: {cpu:.0f} CPU-s on {cores} cores take at least {cpu / cores:.0f} s "
+        f"whatever the scheduling. The {len(heavy)} tests of 10 CPU-s or more (clusters, "
+        f"launcher runs, scripts in fresh processes) use {heavy_cpu:.0f} of them; a Python "
+        "process importing TensorFlow and Keras costs about 6 CPU-s before it does anything.",
         "",
         f"## The {top} slowest tests",
         "",
