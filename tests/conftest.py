@@ -4,6 +4,7 @@ This must run before anything starts TensorFlow's runtime, which is why it
 lives here and not in a fixture.
 """
 
+import contextlib
 import os
 import sys
 
@@ -47,6 +48,9 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "alone: what it asserts depends on the machine's spare CPU; under "
                    "xdist it runs while no other cluster test does (tests/suite_plan.py)")
+    config.addinivalue_line(
+        "markers", "whole_machine: compares the CPU processes get; under xdist nothing "
+                   "else runs beside it (tests/suite_plan.py)")
     if _xdist_worker(config):
         _run_dir = config.workerinput.get("keras_dist_run_dir")
         return
@@ -131,16 +135,22 @@ def pytest_runtest_protocol(item, nextitem):
     `alone` ones run. Around setup too: a module's or the session's
     cluster starts in the first test's setup."""
     global _turns
-    alone = item.get_closest_marker("alone") is not None
-    if _run_dir is None or not _xdist_worker(item.config) or not (
-            alone or item.get_closest_marker("multiprocess") is not None):
+    if _run_dir is None or not _xdist_worker(item.config):
         yield
         return
     from suite_plan import Turns
 
     _turns = _turns or Turns(_run_dir)
-    keep = nextitem is not None and nextitem.get_closest_marker("alone") is not None
-    with _turns.turn(alone, keep) as waited:
+    whole = item.get_closest_marker("whole_machine") is not None
+    alone = whole or item.get_closest_marker("alone") is not None
+    with contextlib.ExitStack() as stack:
+        waited = 0.0
+        if alone or item.get_closest_marker("multiprocess") is not None:
+            keep = nextitem is not None and (
+                nextitem.get_closest_marker("alone") is not None
+                or nextitem.get_closest_marker("whole_machine") is not None)
+            waited += stack.enter_context(_turns.turn(alone, keep))
+        waited += stack.enter_context(_turns.machine(whole))
         item.user_properties.append(("waited_for_turn", round(waited, 2)))
         yield
 

@@ -22,6 +22,11 @@ Work units (one worker runs all of a unit's tests, in order):
   own job);
 - every other test is a unit of its own.
 
+A `@pytest.mark.whole_machine` test (it compares the CPU two processes
+get, e.g. a worker sharing its core with hogs against one alone) is also
+`alone`, and while it runs no test at all runs on the other worker
+(`Turns.machine`).
+
 Order: the `alone` unit first (its worker runs it while the other takes the
 tests that start no process, which never wait for it), then those tests,
 then the cluster units longest first (longest-processing-time first, so no
@@ -65,7 +70,8 @@ def expected_durations(path=EXPECTED):
 def unit_of(item, shared_keys):
     """The work unit of a test item (None: a unit of its own)."""
     module = item.module.__name__
-    if item.get_closest_marker("alone") is not None:
+    if item.get_closest_marker("alone") is not None or item.get_closest_marker(
+            "whole_machine") is not None:
         return ALONE
     if f"{module}::{item.name}" in shared_keys:
         return "shared_cluster"
@@ -216,6 +222,25 @@ class Turns:
             for fd in self.exclusive:
                 os.close(fd)
             self.exclusive = None
+
+    @contextlib.contextmanager
+    def machine(self, whole):
+        """Every test holds the machine lock shared; a `whole_machine` test
+        (its assertion compares the CPU two processes get) exclusively, so
+        nothing of the other worker runs beside it. Taken after `turn`, so
+        the two never wait on each other in opposite orders. Yields the
+        seconds waited."""
+        started = time.monotonic()
+        gate, main = self._open("machine-gate"), self._open("machine")
+        try:
+            fcntl.flock(gate, fcntl.LOCK_EX)
+            fcntl.flock(main, fcntl.LOCK_EX if whole else fcntl.LOCK_SH)
+            if not whole:
+                fcntl.flock(gate, fcntl.LOCK_UN)
+            yield time.monotonic() - started
+        finally:
+            os.close(main)
+            os.close(gate)
 
 
 # ------------------------------------------------------------- durations

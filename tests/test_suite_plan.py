@@ -132,3 +132,19 @@ def test_the_report_sums_seconds_and_cpu_and_states_the_cpu_bound():
     assert tool.expected(data) == {"seconds": {"tests/test_a.py::x": 60.0,
                                                "tests/test_a.py::y": 10.0,
                                                "tests/test_b.py::z": 50.0}}
+
+
+def _other_process_gets_the_machine(run_dir):
+    code = _TRY_SHARED.replace('"clusters"', '"machine"')
+    out = subprocess.run([sys.executable, "-c", code, str(run_dir)],
+                         capture_output=True, text=True, timeout=60)
+    return out.stdout.strip() == "got it"
+
+
+def test_a_whole_machine_test_keeps_every_other_test_out(tmp_path):
+    turns = suite_plan.Turns(str(tmp_path))
+    with turns.machine(whole=True):
+        assert not _other_process_gets_the_machine(tmp_path)
+    with turns.machine(whole=False):  # any other test shares it
+        assert _other_process_gets_the_machine(tmp_path)
+    assert _other_process_gets_the_machine(tmp_path)
