@@ -27,6 +27,17 @@ CPUS = ["/cpu:0", "/cpu:1"]
 ASYNC_LEARNS = 0.85
 
 
+def load_tool(name):
+    """tools/<name>.py as a module (the tools are scripts, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        f"{name}_tool", os.path.join(REPO, "tools", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def digits_model(optimizer, hidden=64, metrics=("accuracy",), cls=None, seed=None,
                  steps_per_execution=1):
     """The digits MLP (keras_dist.datasets.load_digits' 64 features, a ReLU

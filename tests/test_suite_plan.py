@@ -2,7 +2,6 @@
 (tools/durations.py): the order work goes out in, the lock `alone` tests
 hold, reference runs made once, and the report's numbers."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,7 +11,7 @@ import types
 import pytest
 
 import suite_plan
-from procs import REPO
+from procs import load_tool
 
 
 class FakeItem:
@@ -106,16 +105,8 @@ def test_a_reference_is_made_once_and_a_failed_one_not_at_all(tmp_path):
     assert not os.path.exists(os.path.join(tmp_path, "broken"))
 
 
-def _durations_tool():
-    spec = importlib.util.spec_from_file_location(
-        "durations_tool", os.path.join(REPO, "tools", "durations.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_report_sums_seconds_and_cpu_and_states_the_cpu_bound():
-    tool = _durations_tool()
+    tool = load_tool("durations")
     data = {"wall": 100.0, "workers": 2, "cores": 2, "exitstatus": 0, "tests": [
         {"nodeid": "tests/test_a.py::x", "total": 60.0, "cpu": 80.0, "worker": "gw0"},
         {"nodeid": "tests/test_a.py::y", "total": 10.0, "cpu": 4.0, "worker": "gw1"},

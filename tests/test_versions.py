@@ -1,7 +1,6 @@
 """The supported range is stated once and kept consistent; the compat tool's
 selection and table; the warning outside the tested range."""
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -13,15 +12,11 @@ import pytest
 import tensorflow as tf
 
 from keras_dist import versions
-from procs import REPO
+from procs import REPO, load_tool
 
 
 def load_compat_tool():
-    spec = importlib.util.spec_from_file_location(
-        "compat_tool", os.path.join(REPO, "tools", "compat.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("compat")
 
 
 def declared_minimum(package):
