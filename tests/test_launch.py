@@ -36,6 +36,25 @@ def pids_with_marker(marker):
     return found
 
 
+def process_states(marker):
+    """Every process whose command line contains `marker`, zombies included:
+    pid, state, parent and command line, one per line (for failure messages)."""
+    lines = []
+    for pid in sorted((p for p in os.listdir("/proc") if p.isdigit()), key=int):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+            if marker.encode() not in cmdline:
+                continue
+            with open(f"/proc/{pid}/stat") as s:
+                fields = s.read().rsplit(")", 1)[1].split()
+            lines.append(f"pid {pid} state {fields[0]} parent {fields[1]}: "
+                         + cmdline.replace(b"\0", b" ").decode(errors="replace"))
+        except OSError:
+            pass
+    return "\nprocesses with the marker:\n" + "\n".join(lines)
+
+
 BAD_TASK_ARGUMENTS = [
     # Refused the same way by keras-dist-run and python -m keras_dist.ray.
     (["--workers", "0", "--", "python", "x.py"], "--workers must be at least 1. Received: --workers 0"),
