@@ -103,8 +103,11 @@ def run_subset(python, work, extra_args):
     report = os.path.join(work, "report.json")
     env = dict(os.environ, KD_COMPAT_REPORT=report, KD_COMPAT_INSTALLED="1")
     env.pop("PYTHONPATH", None)
+    # On the suite's xdist workers and its own schedule, as `make test` runs
+    # (tests/suite_plan.py; pytest-xdist comes with the test extra).
     cmd = [python, "-m", "pytest", "-m", "compat", "-p", "no:cacheprovider", "-q",
-           "--durations=5", *extra_args]
+           "-n", os.environ.get("TEST_WORKERS", "2"), "--dist", "loadgroup",
+           "--no-loadscope-reorder", "--durations=5", *extra_args]
     print("+", " ".join(cmd), f"(in {work})", flush=True)
     code = subprocess.run(cmd, cwd=work, env=env).returncode
     if not os.path.exists(report):
