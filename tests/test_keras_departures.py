@@ -248,3 +248,31 @@ def test_fit_logs_several_metrics_in_keras_order(mirrored):
     for name in expected:
         np.testing.assert_allclose(got[name], expected[name], rtol=1e-4, atol=1e-5,
                                    err_msg=name)
+
+
+def test_predict_and_evaluate_after_a_one_device_fit_with_a_step_backup(tmp_path):
+    """Issue 47, 2: a step-frequency backup routes a one-device `kd.fit`
+    through keras_dist's loop, which then gave the model `kd.predict` /
+    `kd.evaluate` as its own; those call the model's own: RecursionError.
+    After it the model's `predict` / `evaluate` are Keras' and agree with a
+    model trained by Keras' `fit`."""
+    x, y = _xy(48)
+
+    def build():
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        model.compile("sgd", "mse")
+        return model
+
+    backup = kd.callbacks.BackupAndRestore(str(tmp_path / "backup"), save_freq=2)
+    model = kd.fit(build, x, y, epochs=2, batch_size=8, shuffle=False, verbose=0,
+                   callbacks=[backup]).model
+    reference = build()
+    reference.fit(x, y, epochs=2, batch_size=8, shuffle=False, verbose=0)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    assert "predict" not in vars(model) and "evaluate" not in vars(model)
+    np.testing.assert_allclose(model.predict(x, verbose=0), reference.predict(x, verbose=0),
+                               rtol=1e-6, atol=1e-6)
+    assert model.evaluate(x, y, verbose=0) == pytest.approx(reference.evaluate(x, y, verbose=0))
+    assert kd.evaluate(model, x, y, verbose=0) == pytest.approx(model.evaluate(x, y, verbose=0))

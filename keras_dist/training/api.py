@@ -164,11 +164,15 @@ def train(model, plan, x=None, y=None, keras_fit=None, **fit_kwargs):
         if route is Route.SYNC:
             history = driver.fit(SyncExecutor(model, plan), x, y, **fit_kwargs)
             model = history.model
-            # Keras' own evaluate / predict fail where its fit does: the model's
-            # are keras_dist's from now on (`kd.evaluate`, `kd.predict`).
-            _compat.override(model, evaluate=functools.partial(evaluate, model,
-                                                               strategy=plan.strategy),
-                             predict=functools.partial(predict, model, strategy=plan.strategy))
+            if needs_own_loop(plan.strategy):
+                # Keras' own evaluate / predict fail where its fit does: the
+                # model's are keras_dist's from now on (`kd.evaluate`,
+                # `kd.predict`). Not on one device, where keras_dist's loop
+                # ran only for a mid-epoch backup and Keras' own work.
+                _compat.override(model, evaluate=functools.partial(evaluate, model,
+                                                                   strategy=plan.strategy),
+                                 predict=functools.partial(predict, model,
+                                                           strategy=plan.strategy))
         else:
             if is_dataset_fn(x):
                 x = plan.strategy.distribute_datasets_from_function(x)
@@ -221,7 +225,8 @@ def evaluate(model, x=None, y=None, *, strategy=None, **evaluate_kwargs):
         return driver.evaluate(SyncExecutor(model, dist), x, y, **evaluate_kwargs)
     if is_dataset_fn(x):
         x = dist.distribute_datasets_from_function(x)
-    return model.evaluate(x, y, **evaluate_kwargs)
+    # The class's: the model's own may be this function (after a `fit`).
+    return type(model).evaluate(model, x, y, **evaluate_kwargs)
 
 
 def predict(model, x, *, strategy=None, batch_size=None, verbose="auto", steps=None,
@@ -262,8 +267,9 @@ def predict(model, x, *, strategy=None, batch_size=None, verbose="auto", steps=N
     """
     dist = strategy or model.distribute_strategy
     if not (isinstance(dist, tf.distribute.ParameterServerStrategy) or needs_own_loop(dist)):
-        return model.predict(x, batch_size=batch_size, verbose=verbose, steps=steps,
-                             callbacks=callbacks)
+        # The class's: the model's own may be this function (after a `fit`).
+        return type(model).predict(model, x, batch_size=batch_size, verbose=verbose,
+                                   steps=steps, callbacks=callbacks)
     return driver.predict_here(model, x, batch_size=batch_size, verbose=verbose, steps=steps,
                                callbacks=callbacks)
 
