@@ -188,6 +188,18 @@ def keras_data_adapter(x, *, class_weight, shuffle):
     return data_adapters.get_data_adapter(x, class_weight=class_weight, shuffle=shuffle)
 
 
+def plain_functional_or_sequential(model):
+    """Whether `model`'s class is exactly Keras' `Sequential` or its
+    functional model class (what `keras.Model(inputs, outputs)` gives), not
+    a subclass of either: a functional-style subclass (`MyModel(inputs,
+    outputs)` where `MyModel` subclasses `keras.Model`) is a subclass of the
+    functional class, which has no public name (Keras:
+    `keras.src.models.functional.Functional`)."""
+    from keras.src.models.functional import Functional
+
+    return type(model) in (keras.Sequential, Functional)
+
+
 def override(obj, **attributes):
     """Shadows methods of one TF or Keras object by instance attributes
     (outside Keras' attribute tracking). Returns `obj`."""

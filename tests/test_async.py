@@ -202,6 +202,18 @@ def test_custom_train_step_runs_on_parameter_servers(request, shared_cluster):
     early = result["early_dataset"]
     assert len(early["history"]["val_accuracy"]) == 2
     assert early["test_accuracy"] >= 0.8
+    # Issue 47, item 1: a functional-style subclass keeps its class and its
+    # own steps (it came back an AsyncModel, its train_step's log missing);
+    # its evaluate / predict work after fit, and evaluate refuses an unknown
+    # keyword as Keras' does (AsyncModel's dropped it).
+    style = result["functional_style"]
+    assert style["class"] == "FunctionalStyle"
+    assert {"accuracy", "custom_marker", "loss"} <= set(style["history_keys"]), style
+    assert style["version"] == 20
+    assert style["evaluate"]["test_marker"] == 5.0
+    assert style["evaluate"] == pytest.approx(style["kd_evaluate"])
+    assert style["predict_shape"] == [360, 10]
+    assert style["refused"] == "Arguments not recognized: {'no_such_argument': 1}"
 
 
 def test_no_retracing_under_parameter_servers(request, shared_cluster):

@@ -159,20 +159,16 @@ def train(model, plan, x=None, y=None, keras_fit=None, **fit_kwargs):
     `AsyncModel.fit` both end here."""
     route = plan.route(model, fit_kwargs.get("callbacks"))
     if route is Route.ASYNC:
-        return driver.fit(AsyncExecutor(model, plan), x, y, **fit_kwargs)
+        history = driver.fit(AsyncExecutor(model, plan), x, y, **fit_kwargs)
+        if not isinstance(history.model, AsyncModel):  # a model trained as it is
+            _own_evaluate_and_predict(history.model, plan.strategy)
+        return history
     with plain_fit.local_fit():  # a strategy chosen on purpose, even on a ps cluster
         if route is Route.SYNC:
             history = driver.fit(SyncExecutor(model, plan), x, y, **fit_kwargs)
             model = history.model
-            if needs_own_loop(plan.strategy):
-                # Keras' own evaluate / predict fail where its fit does: the
-                # model's are keras_dist's from now on (`kd.evaluate`,
-                # `kd.predict`). Not on one device, where keras_dist's loop
-                # ran only for a mid-epoch backup and Keras' own work.
-                _compat.override(model, evaluate=functools.partial(evaluate, model,
-                                                                   strategy=plan.strategy),
-                                 predict=functools.partial(predict, model,
-                                                           strategy=plan.strategy))
+            if needs_own_loop(plan.strategy):  # not on one device (a mid-epoch backup)
+                _own_evaluate_and_predict(model, plan.strategy)
         else:
             if is_dataset_fn(x):
                 x = plan.strategy.distribute_datasets_from_function(x)
@@ -274,11 +270,24 @@ def predict(model, x, *, strategy=None, batch_size=None, verbose="auto", steps=N
                                callbacks=callbacks)
 
 
+def _own_evaluate_and_predict(model, strategy):
+    """Keras' own `evaluate` / `predict` fail where its `fit` does (several
+    replicas, several workers, parameter servers): after `fit` there the
+    model's are keras_dist's (`kd.evaluate`, `kd.predict`)."""
+    _compat.override(model, evaluate=functools.partial(evaluate, model, strategy=strategy),
+                     predict=functools.partial(predict, model, strategy=strategy))
+
+
 def _convertible(model):
-    """Whether `AsyncModel.from_model` can re-wrap `model` (functional or
-    Sequential with inputs); other models are trained as they are."""
+    """Whether `model` is re-wrapped by `AsyncModel.from_model`: a plain
+    functional or Sequential model with inputs, whose class is Keras' own
+    and holds nothing of the user's. Any other model, a functional-style
+    subclass with its own `train_step` included, is trained as it is: it
+    keeps its class and its methods (docs/custom-train-step.md)."""
     if isinstance(model, AsyncModel):
         return True
+    if not _compat.plain_functional_or_sequential(model):
+        return False
     try:
         return bool(model.inputs) and bool(model.outputs)
     except (AttributeError, ValueError):

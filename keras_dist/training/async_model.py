@@ -213,6 +213,11 @@ class AsyncModel(keras.Model):
                                     sample_weight=sample_weight, steps=steps,
                                     callbacks=callbacks, return_dict=return_dict,
                                     **kwargs)
+        # Keras' `evaluate` takes one private keyword (`fit` passes it for its
+        # cached validation data) and refuses any other; so does this one.
+        kwargs.pop("_use_cached_eval_dataset", None)
+        if kwargs:
+            raise ValueError(f"Arguments not recognized: {kwargs}")
         from keras_dist.training import driver
         from keras_dist.training.sync_executor import SyncExecutor
 

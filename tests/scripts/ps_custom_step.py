@@ -5,7 +5,8 @@ tests/equivalence_cases.py: loss multiplied by a weight, here with a metric
 counting its calls): a `keras.Model` subclass trained with
 `kd.fit` and loss weight 0 (the update must be exactly zero: the weights
 may not move), and a `kd.AsyncModel` subclass trained with `model.fit` and
-loss weight 1 (it must learn). Then a plain model trains on a
+loss weight 1 (it must learn). A functional-style subclass with its own
+`train_step` / `test_step` keeps its class and steps through `kd.fit`. Then a plain model trains on a
 `tf.data.Dataset` created before the strategy connected this process to the
 cluster (TensorFlow placed it on /job:localhost, which then no longer
 exists), validates and evaluates on another such dataset. The chief writes
@@ -60,6 +61,50 @@ class AsyncSubclass(CallCounting, kd.AsyncModel):
         self.setup(hidden=64, outputs=10, counter="calls")
 
 
+class FunctionalStyle(keras.Model):
+    """Built as `FunctionalStyle(inputs, outputs)` (issue 47, item 1): it was
+    re-wrapped as an AsyncModel, losing this class and these steps."""
+
+    def train_step(self, data):
+        return {**super().train_step(data), "custom_marker": tf.constant(3.0)}
+
+    def test_step(self, data):
+        return {**super().test_step(data), "test_marker": tf.constant(5.0)}
+
+
+def build_functional_style():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((64,))
+    outputs = keras.layers.Dense(10, activation="softmax")(
+        keras.layers.Dense(32, activation="relu")(inputs))
+    model = FunctionalStyle(inputs, outputs)
+    model.compile(keras.optimizers.SGD(0.05), "sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    return model
+
+
+def functional_style(x, y, x_test, y_test):
+    """What a functional-style subclass is after `kd.fit`, and what then
+    works on it, as Keras' `fit` leaves it on one device."""
+    history = kd.fit(build_functional_style, x, y, strategy=strategy, epochs=2,
+                     steps_per_epoch=10, batch_size=32, verbose=0)
+    model = history.model
+    try:
+        model.evaluate(x_test, y_test, verbose=0, no_such_argument=1)
+        refused = None
+    except ValueError as error:
+        refused = str(error)
+    return {
+        "class": type(model).__name__,
+        "history_keys": list(history.history),
+        "evaluate": model.evaluate(x_test, y_test, verbose=0, return_dict=True),
+        "kd_evaluate": kd.evaluate(model, x_test, y_test, verbose=0, return_dict=True),
+        "predict_shape": list(model.predict(x_test, verbose=0).shape),
+        "refused": refused,
+        "version": model.version_counter.value,
+    }
+
+
 def build(cls, loss_weight):
     keras.utils.set_random_seed(0)
     model = cls(loss_weight)
@@ -104,6 +149,7 @@ def main(out_dir):
         "test_accuracy": kd.evaluate(history.model, EARLY_TEST, return_dict=True,
                                      verbose=0)["accuracy"],
     }
+    result["functional_style"] = functional_style(x, y, x_test, y_test)
     with open(os.path.join(out_dir, "result.json"), "w") as f:
         json.dump(result, f)
 
