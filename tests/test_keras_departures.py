@@ -276,3 +276,65 @@ def test_predict_and_evaluate_after_a_one_device_fit_with_a_step_backup(tmp_path
                                rtol=1e-6, atol=1e-6)
     assert model.evaluate(x, y, verbose=0) == pytest.approx(reference.evaluate(x, y, verbose=0))
     assert kd.evaluate(model, x, y, verbose=0) == pytest.approx(model.evaluate(x, y, verbose=0))
+
+
+class _StopAfter(keras.callbacks.Callback):
+    """Sets the model's stop_evaluating / stop_predicting after `n` batches,
+    as Keras' test_stop_loop_* tests do; counts the batches it saw."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.n, self.test_batches, self.predict_batches = n, 0, 0
+
+    def on_test_batch_end(self, batch, logs=None):
+        self.test_batches += 1
+        if self.test_batches == self.n:
+            self.model.stop_evaluating = True
+
+    def on_predict_batch_end(self, batch, logs=None):
+        self.predict_batches += 1
+        if self.predict_batches == self.n:
+            self.model.stop_predicting = True
+
+
+@pytest.mark.timeout(120)
+def test_a_callback_stops_evaluate_and_predict_early(mirrored):
+    """Issue 47: kd.evaluate ignored `model.stop_evaluating` (all 40 batches
+    where Keras stops after 5; an infinite generator never returned), and
+    kd.predict `model.stop_predicting`. Keras' own on one device is the
+    reference."""
+    x, y = _xy(200)
+
+    def build():
+        keras.utils.set_random_seed(2)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        model.compile("sgd", "mse")
+        return model
+
+    def endless():
+        while True:
+            yield x[:5], y[:5]
+
+    reference = build()
+    seen = {}
+    for name, run in [("evaluate", lambda m, cb: m.evaluate(x, y, batch_size=5, verbose=0,
+                                                             callbacks=[cb])),
+                      ("endless", lambda m, cb: m.evaluate(endless(), verbose=0,
+                                                            callbacks=[cb])),
+                      ("predict", lambda m, cb: m.predict(x, batch_size=5, verbose=0,
+                                                           callbacks=[cb]))]:
+        keras_cb = _StopAfter(5)
+        run(reference, keras_cb)
+        seen[name] = (keras_cb.test_batches, keras_cb.predict_batches)
+    assert seen == {"evaluate": (5, 0), "endless": (5, 0), "predict": (0, 5)}
+
+    model = kd.fit(build, x, y, strategy=mirrored, epochs=1, batch_size=10, verbose=0).model
+    callback = _StopAfter(5)
+    kd.evaluate(model, x, y, batch_size=5, verbose=0, callbacks=[callback])
+    assert callback.test_batches == 5
+    callback = _StopAfter(5)
+    kd.evaluate(model, endless(), verbose=0, callbacks=[callback])
+    assert callback.test_batches == 5
+    callback = _StopAfter(5)
+    assert kd.predict(model, x, batch_size=5, verbose=0, callbacks=[callback]).shape == (25, 2)
+    assert callback.predict_batches == 5

@@ -183,11 +183,20 @@ def run_evaluation(executor, eval_input, callbacks):
     """One evaluation pass: Keras' test hooks around the executor's
     `test_epoch` events (executors call no callback themselves). Returns
     Keras' logs: the metrics' results, else the last batch's."""
+    # A callback may end the pass early by setting `model.stop_evaluating`,
+    # as in Keras' `evaluate` (which also sets it to False first).
+    executor.model.stop_evaluating = False
     callbacks.on_test_begin()
     logs = {}
-    for event in _batch_ends(executor.test_epoch(eval_input), callbacks.on_test_batch_begin):
-        logs = event.logs
-        callbacks.on_test_batch_end(event.batch, logs)
+    events = executor.test_epoch(eval_input)
+    try:
+        for event in _batch_ends(events, callbacks.on_test_batch_begin):
+            logs = event.logs
+            callbacks.on_test_batch_end(event.batch, logs)
+            if executor.model.stop_evaluating:
+                break
+    finally:
+        events.close()  # its iterator released now, not when collected
     logs = metrics_or_logs(executor.model, logs)
     callbacks.on_test_end(logs)
     return logs
@@ -397,6 +406,7 @@ def predict_here(model, x, *, batch_size=None, verbose="auto", steps=None, callb
     # Compiled once per compilation, as Keras keeps its predict_function.
     function = compiled.cached(model, "predict", lambda: tf.function(
         lambda batch: model(batch, training=False), reduce_retracing=True))
+    model.stop_predicting = False  # a callback may set it, as in Keras' predict
     callbacks.on_predict_begin()
     outputs = []
     with dist.scope():
@@ -405,6 +415,8 @@ def predict_here(model, x, *, batch_size=None, verbose="auto", steps=None, callb
             out = function(keras.utils.unpack_x_y_sample_weight(batch)[0])
             outputs.append(tf.nest.map_structure(lambda t: t.numpy(), out))
             callbacks.on_predict_batch_end(step, {"outputs": outputs[-1]})
+            if model.stop_predicting:
+                break
     callbacks.on_predict_end()
     if not outputs:
         raise ValueError("keras_dist.predict: `x` gave no batches (empty input, or steps=0); "
