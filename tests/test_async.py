@@ -11,6 +11,7 @@ its own.
 """
 
 import json
+import re
 import subprocess
 import sys
 
@@ -132,6 +133,10 @@ def test_nonfinite_updates_are_skipped_and_counted_or_raise(request, shared_clus
     assert result["version"] == 8 * 45          # skipped updates still claim a version
     # ... but not an optimizer step: iterations counts the applied ones exactly.
     assert result["iterations"] == result["version"] - sum(skipped)
+    # A TerminateOnNaN(raise_error=True) sees the skipped batch's NaN loss.
+    assert re.match(r"NaN or Inf loss encountered at batch \d+\. Loss value: nan\.",
+                    result["terminate_on_nan"]), result["terminate_on_nan"]
+    assert result["finite_after_terminate"]
 
 
 def test_a_killed_worker_is_restarted_and_training_completes(tmp_path):

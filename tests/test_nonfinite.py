@@ -6,7 +6,8 @@ CPUs (keras_dist's loop): "skip" leaves the weights, the optimizer's slots
 and `iterations` as they were and counts the update, "raise" stops with
 `NonFiniteUpdateError`, and the default is "skip" everywhere. A run whose
 NaN batches are skipped keeps a finite `loss` (the loss averages the
-batches whose loss was finite), so Keras' `TerminateOnNaN` does not stop it.
+batches whose loss was finite), but Keras' `TerminateOnNaN` sees the NaN
+batch and stops or raises as in Keras (issue 47).
 With finite data `kd.fit` on one device still equals `model.fit` bit for
 bit (tests/test_equivalence.py covers the feature cases).
 """
@@ -65,9 +66,8 @@ def _strategy(name, mirrored):
 @pytest.mark.parametrize("mode", [None, "skip"])
 def test_skip_is_the_default_and_the_same_on_one_device_and_two(name, mode, mirrored):
     x, y = data()
-    nan = keras.callbacks.TerminateOnNaN()
     history = kd.fit(build, x, y, strategy=_strategy(name, mirrored), nonfinite_updates=mode,
-                     epochs=2, batch_size=16, shuffle=False, verbose=0, callbacks=[nan])
+                     epochs=2, batch_size=16, shuffle=False, verbose=0)
     model = history.model
     assert history.history["skipped_nonfinite"] == [2, 2]
     # Skipped means untouched: the weights and the step count are what
@@ -75,7 +75,7 @@ def test_skip_is_the_default_and_the_same_on_one_device_and_two(name, mode, mirr
     reference = clean_steps(x, y, {0, 2}, epochs=2)
     assert int(model.optimizer.iterations.numpy()) == 4
     assert largest_difference(model.get_weights(), reference.get_weights()) <= 1e-6
-    # TerminateOnNaN saw finite losses and let both epochs run.
+    # The epochs' losses average the finite batches.
     assert len(history.history["loss"]) == 2 and not model.stop_training
     assert all(np.isfinite(history.history["loss"]))
     assert model.version == 4 and model.staleness_stats.logs()["staleness_max"] == 0
@@ -148,12 +148,57 @@ def test_keras_own_fit_after_kd_fit_is_keras_again():
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_an_epoch_with_no_finite_loss_reports_nan_and_terminate_on_nan_stops(name, mirrored):
     """Every batch skipped: nothing trained, and the loss of nothing is NaN
-    (Keras' mean of nothing is 0), so with TerminateOnNaN training stops
-    after that epoch (Keras' own fit stops at its first NaN batch; Keras'
-    test_TerminateOnNaN checks one epoch in the History)."""
+    (Keras' mean of nothing is 0). TerminateOnNaN stops training at the
+    first NaN batch, as in Keras' own fit (Keras' test_TerminateOnNaN checks
+    one epoch in the History)."""
     x, y = data(poison=range(64))
     history = kd.fit(build, x, y, strategy=_strategy(name, mirrored), epochs=5, batch_size=16,
                      verbose=0, callbacks=[keras.callbacks.TerminateOnNaN()])
     assert len(history.history["loss"]) == 1 and np.isnan(history.history["loss"][0])
-    assert history.history["skipped_nonfinite"] == [4]  # the whole epoch, then it stops
+    assert history.history["skipped_nonfinite"] == [1]  # the first batch, then it stops
     assert all(np.isfinite(w).all() for w in history.model.get_weights())
+
+
+class _Batches(keras.callbacks.Callback):
+    """The (epoch, batch, loss is NaN) of every training batch end."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen, self.epoch = [], None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen.append((self.epoch, batch, bool(np.isnan(logs["loss"]))))
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+@pytest.mark.parametrize("raise_error", [True, False])
+def test_terminate_on_nan_sees_a_skipped_batch_as_keras_shows_it(name, raise_error, mirrored):
+    """Issue 47: under "skip" a user's TerminateOnNaN(raise_error=True) never
+    raised (the NaN batch's loss was left out of the mean it reads). It
+    raises at the same batch, or stops training after it, as under Keras'
+    own fit on one device; the skipped update leaves the weights finite."""
+    x, y = data(poison=(40,))  # batch 2 of each epoch
+
+    def run(fit):
+        batches = _Batches()
+        callbacks = [batches, keras.callbacks.TerminateOnNaN(raise_error=raise_error)]
+        try:
+            history = fit(callbacks)
+        except RuntimeError as error:
+            return str(error), batches.seen, None
+        return None, batches.seen, history
+
+    keras_error, keras_seen, keras_history = run(lambda callbacks: build().fit(
+        x, y, epochs=3, batch_size=16, shuffle=False, verbose=0, callbacks=callbacks))
+    error, seen, history = run(lambda callbacks: kd.fit(
+        build, x, y, strategy=_strategy(name, mirrored), epochs=3, batch_size=16,
+        shuffle=False, verbose=0, callbacks=callbacks))
+    assert (keras_error is not None) == raise_error
+    assert error == keras_error and seen == keras_seen == [
+        (0, 0, False), (0, 1, False), (0, 2, True)]
+    if not raise_error:
+        assert len(history.history["loss"]) == len(keras_history.history["loss"]) == 1
+        assert all(np.isfinite(w).all() for w in history.model.get_weights())

@@ -82,9 +82,10 @@ def fit(model, x=None, y=None, *, strategy="auto", cluster=None, nonfinite_updat
             untouched) and count it (`skipped_nonfinite` in the logs of an
             epoch that skipped one), or raise `NonFiniteUpdateError`. Under
             "skip" the epoch's `loss` averages the batches whose loss was
-            finite, so `keras.callbacks.TerminateOnNaN` does not stop a run
-            whose bad updates are skipped (its weights are fine). Keras' own
-            `model.fit` applies such an update: the weights become NaN.
+            finite; a `keras.callbacks.TerminateOnNaN` still sees the
+            skipped batch's NaN `loss` and stops (or raises) as in Keras.
+            Keras' own `model.fit` applies such an update: the weights
+            become NaN.
         local_steps: Integer >= 1. Parameter servers only: each worker pulls
             the weights once, takes `local_steps` steps on its copy and
             pushes the change (Downpour / local SGD, docs/local-steps.md).

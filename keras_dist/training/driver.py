@@ -261,6 +261,8 @@ def fit(executor, x=None, y=None, *, batch_size=None, epochs=1,
     watchers = replica_cbs.replica_callbacks(callbacks)
     replica_cbs.bind_plan(callbacks, executor.plan)
     executor.begin_training(train, callbacks)
+    # A TerminateOnNaN sees a skipped update's batch as Keras shows it.
+    shown = guard.NonFiniteShown(executor.policy) if guard.watches_nonfinite(callbacks) else None
 
     model.stop_training = False
     model.__dict__["_kd_loop"] = True  # keras_dist's loop: resumes mid-epoch
@@ -297,7 +299,8 @@ def fit(executor, x=None, y=None, *, batch_size=None, epochs=1,
                 logs = event.logs
                 if event.replica_steps:
                     replica_cbs.feed(watchers, event.batch, event.replica_steps)
-                callbacks.on_train_batch_end(event.batch, logs)
+                callbacks.on_train_batch_end(
+                    event.batch, logs if shown is None else shown.logs(logs))
                 if model.stop_training:
                     break
                 if "_kd_preempt" in model.__dict__:

@@ -323,6 +323,47 @@ def _loss_tracker(model):
     return None
 
 
+def watches_nonfinite(callbacks):
+    """Whether one of `callbacks` (a list or a `CallbackList`) asks to see a
+    non-finite loss: Keras' `TerminateOnNaN`, or a subclass of it."""
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks = callbacks.callbacks
+    return any(isinstance(c, keras.callbacks.TerminateOnNaN) for c in callbacks or ())
+
+
+class NonFiniteShown:
+    """Shows the batch whose update the "skip" policy dropped to the
+    callbacks as Keras would: with a NaN `loss`. The policy keeps the weights
+    and the epoch's mean finite, but a `TerminateOnNaN` must still see the
+    NaN it watches for (and raise, or stop training, as in Keras). Used only
+    when one is there: each batch end reads the skip counter.
+
+    Example:
+
+    >>> from keras_dist.training.nonfinite import NonFiniteShown, NonFinitePolicy
+    >>> policy = NonFinitePolicy("skip").build()
+    >>> shown = NonFiniteShown(policy)
+    >>> shown.logs({"loss": 0.5})
+    {'loss': 0.5}
+    >>> _ = policy.counter.assign_add(1)  # this batch's update was skipped
+    >>> shown.logs({"loss": 0.5})
+    {'loss': nan}
+    """
+
+    def __init__(self, policy):
+        self.policy = policy
+        self.seen = policy.skipped
+
+    def logs(self, logs):
+        """The batch's `logs`, with `loss` NaN if an update was skipped since
+        the last call (a new dict then; `logs` itself is left as it is)."""
+        skipped = self.policy.skipped
+        if skipped > self.seen:
+            self.seen = skipped
+            return {**(logs or {}), "loss": float("nan")}
+        return logs
+
+
 class _EpochLogs(keras.callbacks.Callback):
     """Adds `skipped_nonfinite` to the epoch logs (once anything was
     skipped in this `fit` call, as the executors do) and keeps the epoch
@@ -333,6 +374,7 @@ class _EpochLogs(keras.callbacks.Callback):
         super().__init__()
         self.policy, self.callbacks = policy, callbacks
         self.epoch, self.nothing = 0, False
+        self.shown = NonFiniteShown(policy) if watches_nonfinite(callbacks) else None
 
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
@@ -340,11 +382,17 @@ class _EpochLogs(keras.callbacks.Callback):
         self.policy.begin_epoch()
 
     def on_train_batch_end(self, batch, logs=None):
+        shown = False
+        if self.shown is not None and logs is not None:
+            # First in the list: the callbacks after this one get this dict.
+            seen = self.shown.logs(logs)
+            shown = seen is not logs
+            logs.update(seen)
         # Read at the epoch's last batch (validation reuses the tracker
-        # before on_epoch_end); Keras may number a short last execution
-        # past the end.
+        # before on_epoch_end), or where a TerminateOnNaN may stop the
+        # epoch; Keras may number a short last execution past the end.
         steps = (self.params or {}).get("steps")
-        if not steps or batch + 1 >= steps:
+        if shown or not steps or batch + 1 >= steps:
             self.nothing = counted_nothing(self.model, self.policy.mode)
 
     def on_epoch_end(self, epoch, logs=None):

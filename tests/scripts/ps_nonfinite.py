@@ -43,6 +43,17 @@ def main(out_dir, mode):
         result["iterations"] = int(model.optimizer.iterations.numpy())
     except Exception as error:  # the "raise" mode: what the user sees
         result["error"] = f"{type(error).__name__}: {error}"
+    if mode == "skip":
+        # A user's TerminateOnNaN(raise_error=True) raises at the first
+        # skipped batch, as Keras' does at its first NaN loss (issue 47).
+        try:
+            model.fit(x, y, epochs=2, steps_per_epoch=45, batch_size=32, verbose=0,
+                      callbacks=[keras.callbacks.TerminateOnNaN(raise_error=True)])
+            result["terminate_on_nan"] = "no error"
+        except RuntimeError as error:
+            result["terminate_on_nan"] = str(error)
+            result["finite_after_terminate"] = all(
+                bool(np.isfinite(w).all()) for w in model.get_weights())
     with open(os.path.join(out_dir, "result.json"), "w") as f:
         json.dump(result, f)
 
