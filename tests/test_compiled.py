@@ -97,3 +97,42 @@ def test_nothing_is_traced_after_the_first_epoch(route, steps_per_execution):
     first, *later = callback.records
     assert first["train"] >= 1 and first["test"] >= 1, first
     assert later == [first, first], callback.records
+
+
+def test_one_device_kd_fit_traces_once_as_keras_fit_does():
+    """Issue 47, 3: on one device each `kd.fit` traced the train step again
+    (its non-finite guard reset `train_function` every time), where a second
+    `model.fit` traces nothing. Keras' own `model.fit` after it keeps its
+    own unguarded function, and a later `kd.fit` still skips a NaN batch."""
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+    y = np.arange(64) % 3
+
+    def build():
+        model = Counting([keras.Input((4,)), keras.layers.Dense(3, activation="softmax")])
+        _compile(model)
+        return model
+
+    reference = build()
+    TRACES.update(train=0, test=0)
+    reference.fit(x, y, epochs=2, batch_size=16, verbose=0)
+    keras_traces = TRACES["train"]
+    reference.fit(x, y, epochs=2, batch_size=16, verbose=0)
+    assert TRACES["train"] == keras_traces >= 1  # Keras: nothing traced again
+
+    model = build()
+    TRACES.update(train=0, test=0)
+    kd.fit(model, x, y, epochs=2, batch_size=16, verbose=0)
+    assert TRACES["train"] == keras_traces, TRACES
+    kd.fit(model, x, y, epochs=2, batch_size=16, verbose=0)
+    assert TRACES["train"] == keras_traces, TRACES  # nothing traced again
+    model.fit(x, y, epochs=1, batch_size=16, verbose=0)  # Keras' own: its own function
+    with_keras = TRACES["train"]
+    assert with_keras > keras_traces, TRACES
+    model.fit(x, y, epochs=1, batch_size=16, verbose=0)
+    poisoned = x.copy()
+    poisoned[0, 0] = np.nan
+    history = kd.fit(model, poisoned, y, epochs=1, batch_size=16, shuffle=False, verbose=0)
+    assert TRACES["train"] == with_keras, TRACES
+    assert history.history["skipped_nonfinite"] == [1]
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+    assert int(model.optimizer.iterations.numpy()) == 2 * 8 + 2 * 4 + 3

@@ -34,6 +34,7 @@ import tensorflow as tf
 
 from keras_dist import _compat
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
+from keras_dist.training import compiled
 from keras_dist.training import gradients
 from keras_dist.training import update
 
@@ -420,22 +421,13 @@ def keras_loop(model, mode, fit, *args, **kwargs):
     >>> history.history["skipped_nonfinite"]
     [2]
     """
-    policy = NonFinitePolicy(mode)
+    NonFinitePolicy(mode)  # checks `mode`
     optimizer = model.optimizer
     if optimizer is None or skips_itself(optimizer):
         return fit(*args, **kwargs)  # a LossScaleOptimizer decides itself
-    policy.build()
+    guarded = compiled.cached(model, ("keras_loop", mode), lambda: _Guarded(model, mode))
+    policy = guarded.policy
     policy.begin_training()
-
-    def hook(original, grads, variables):
-        return policy.apply(original, grads, variables, optimizer=optimizer)
-
-    original_step = model.train_step
-
-    def train_step(data):
-        with update.apply_hook(hook), finite_loss_only(model, mode):
-            return original_step(data)
-
     callbacks = kwargs.pop("callbacks", None)
     logs = _EpochLogs(policy, callbacks)
     if isinstance(callbacks, keras.callbacks.CallbackList):
@@ -443,8 +435,12 @@ def keras_loop(model, mode, fit, *args, **kwargs):
         logs.set_model(model)
     else:
         callbacks = [logs, *(callbacks or [])]
-    _compat.override(model, train_step=train_step)
-    model.train_function = None  # traced afresh, with the guard
+    # Keras' fit traces `train_function` only when the model has none: the
+    # guarded one traced by an earlier `kd.fit` of this compilation is put
+    # in, and Keras' own (if any) is put back afterwards for `model.fit`.
+    own = model.train_function
+    _compat.override(model, train_step=guarded.train_step)
+    model.train_function = guarded.train_function
     try:
         with update.intercept_apply(optimizer):
             return fit(*args, callbacks=callbacks, **kwargs)
@@ -452,5 +448,29 @@ def keras_loop(model, mode, fit, *args, **kwargs):
         raise_if_nonfinite(error, logs.epoch)
         raise
     finally:
+        guarded.train_function = model.train_function
         _compat.drop_override(model, "train_step")
-        model.train_function = None  # Keras' own fit traces its own step again
+        model.train_function = own
+
+
+class _Guarded:
+    """What `keras_loop` keeps per model, compilation and mode
+    (`compiled.cached`): the policy with its skip counter, the model's
+    `train_step` under the policy, and the `train_function` Keras traced
+    from it, so a second `kd.fit` traces nothing again, as a second
+    `model.fit` does not."""
+
+    def __init__(self, model, mode):
+        self.policy = policy = NonFinitePolicy(mode).build()
+        optimizer = model.optimizer
+        original_step = model.train_step
+
+        def hook(original, grads, variables):
+            return policy.apply(original, grads, variables, optimizer=optimizer)
+
+        def train_step(data):
+            with update.apply_hook(hook), finite_loss_only(model, mode):
+                return original_step(data)
+
+        self.train_step = train_step
+        self.train_function = None
