@@ -338,3 +338,33 @@ def test_a_callback_stops_evaluate_and_predict_early(mirrored):
     callback = _StopAfter(5)
     assert kd.predict(model, x, batch_size=5, verbose=0, callbacks=[callback]).shape == (25, 2)
     assert callback.predict_batches == 5
+
+
+def test_predict_after_a_mirrored_fit_reads_inputs_as_keras_predict(mirrored):
+    """Issue 47: after a multi-replica `fit` the model's `predict` (keras_dist's)
+    read a list of 3 input arrays as (x, y, sample_weight) and could not read
+    a Python generator. Both give what Keras' `predict` gives on one device."""
+    rng = np.random.default_rng(4)
+    xs = [rng.normal(size=(20, n)).astype("float32") for n in (2, 3, 1)]
+    y = rng.normal(size=(20, 2)).astype("float32")
+
+    def build():
+        keras.utils.set_random_seed(5)
+        inputs = [keras.Input((n,)) for n in (2, 3, 1)]
+        model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Concatenate()(inputs)))
+        model.compile("sgd", "mse")
+        return model
+
+    def batches():
+        for start in range(0, 20, 8):
+            yield (tuple(a[start:start + 8] for a in xs),)
+
+    model = kd.fit(build, xs, y, strategy=mirrored, epochs=1, batch_size=4, verbose=0).model
+    reference = build()
+    reference.set_weights(model.get_weights())
+    expected = reference.predict(xs, verbose=0)
+    np.testing.assert_allclose(model.predict(xs, verbose=0), expected, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(model.predict(batches(), verbose=0),
+                               reference.predict(batches(), verbose=0), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(kd.predict(model, batches(), verbose=0), expected,
+                               rtol=1e-6, atol=1e-6)

@@ -26,6 +26,7 @@ step).
 
 import abc
 import dataclasses
+import types
 import warnings
 from typing import Any, List, Optional
 
@@ -393,10 +394,16 @@ def predict_here(model, x, *, batch_size=None, verbose="auto", steps=None, callb
     data_lib.check_fit_counts(batch_size=batch_size, steps=steps)
     if isinstance(x, tf.data.Dataset):
         dataset = x
+    elif isinstance(x, (keras.utils.PyDataset, types.GeneratorType)):
+        # Read as Keras' predict reads them (its own data adapter).
+        dataset = _compat.keras_data_adapter(x, class_weight=None,
+                                             shuffle=False).get_tf_dataset()
     else:
-        # A list of arrays is several inputs, as in Keras (not one tensor).
-        dataset = tf.data.Dataset.from_tensor_slices(keras.tree.lists_to_tuples(x)).batch(
-            batch_size or 32)
+        # A list of arrays is several inputs, as in Keras (not one tensor):
+        # packed as Keras packs `x` alone, so three inputs are not read as
+        # (x, y, sample_weight).
+        dataset = tf.data.Dataset.from_tensor_slices(keras.utils.pack_x_y_sample_weight(
+            keras.tree.lists_to_tuples(x))).batch(batch_size or 32)
     if steps is not None:
         dataset = dataset.take(steps)
     total = int(dataset.cardinality())
