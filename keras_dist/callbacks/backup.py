@@ -467,6 +467,29 @@ class BackupAndRestore(keras.callbacks.Callback):
             shutil.rmtree(self.backup_dir, ignore_errors=True)
         self._release_lock()
 
+    def end_after_error(self):
+        """What `on_train_end` undoes, for a `fit` that an exception ended
+        (Keras calls no hook then): the signal handlers this callback set are
+        the previous ones again, a backup being written is waited for, and
+        the backup directory's lock is released. The backups stay. keras_dist's
+        `fit` (and `AsyncModel.fit`) call it; after Keras' own `model.fit`
+        raised, call it yourself.
+
+        Example:
+
+        >>> import signal, tempfile, keras_dist as kd
+        >>> before = signal.getsignal(signal.SIGTERM)
+        >>> backup = kd.callbacks.BackupAndRestore(tempfile.mkdtemp())
+        >>> backup.end_after_error()  # nothing to undo: a no-op
+        >>> signal.getsignal(signal.SIGTERM) is before
+        True
+        """
+        self._restore_signals()
+        try:
+            self.wait_for_writes()
+        finally:
+            self._release_lock()
+
     # ------------------------------------------------------------ preemption
     def _catch_signals(self):
         if threading.current_thread() is not threading.main_thread():

@@ -189,3 +189,22 @@ def add_replica_logs(callbacks, logs):
     for callback in callbacks:
         logs.update(callback.replica_logs())
     return logs
+
+
+def end_after_error(callbacks):
+    """Calls `end_after_error()` on each callback that has one (keras_dist's
+    `BackupAndRestore`: its signal handlers, writer and lock), for a `fit`
+    an exception ended: Keras calls no `on_train_end` then. Every one is
+    called even if one raises; the first error is raised after."""
+    items = getattr(callbacks, "callbacks", callbacks) or []
+    first = None
+    for callback in items:
+        end = getattr(callback, "end_after_error", None)
+        if end is None:
+            continue
+        try:
+            end()
+        except BaseException as error:  # noqa: BLE001 (the others still end)
+            first = first or error
+    if first is not None:
+        raise first

@@ -261,30 +261,32 @@ def fit(executor, x=None, y=None, *, batch_size=None, epochs=1,
             verbose=verbose, epochs=epochs, steps=train.steps, model=model)
     watchers = replica_cbs.replica_callbacks(callbacks)
     replica_cbs.bind_plan(callbacks, executor.plan)
-    executor.begin_training(train, callbacks)
-    # A TerminateOnNaN sees a skipped update's batch as Keras shows it.
-    shown = guard.NonFiniteShown(executor.policy) if guard.watches_nonfinite(callbacks) else None
-
-    model.stop_training = False
-    model.__dict__["_kd_loop"] = True  # keras_dist's loop: resumes mid-epoch
-    model.__dict__["_kd_executor"] = executor  # a backup reads the metric state there
-    try:
-        callbacks.on_train_begin()
-    except BaseException:
-        model.__dict__.pop("_kd_executor", None)
-        executor.release()
-        raise
-    finally:
-        model.__dict__.pop("_kd_loop", None)
-    # Set by a restoring callback (BackupAndRestore), as Keras' own loop reads it.
-    initial_epoch = _compat.initial_epoch(model) or initial_epoch
-    # Where a restored backup stands: step and metric state within the epoch.
-    resume = model.__dict__.pop("_kd_resume", None)
-    if resume is not None:
-        executor.seek(train, initial_epoch, resume["step"])
     logs, epoch_logs, training_logs = {}, {}, None
     epoch = initial_epoch
+    # Whatever ends this `fit`, the executor lets go of what it holds
+    # (threads, probes, iterators) and the model of the executor; an
+    # exception also ends the callbacks that hold something past `fit`
+    # (a BackupAndRestore's signal handlers and lock), since Keras calls no
+    # `on_train_end` then.
     try:
+        executor.begin_training(train, callbacks)
+        # A TerminateOnNaN sees a skipped update's batch as Keras shows it.
+        shown = (guard.NonFiniteShown(executor.policy) if guard.watches_nonfinite(callbacks)
+                 else None)
+        model.stop_training = False
+        model.__dict__["_kd_loop"] = True  # keras_dist's loop: resumes mid-epoch
+        model.__dict__["_kd_executor"] = executor  # a backup reads the metric state there
+        try:
+            callbacks.on_train_begin()
+        finally:
+            model.__dict__.pop("_kd_loop", None)
+        # Set by a restoring callback (BackupAndRestore), as Keras' own loop reads it.
+        initial_epoch = _compat.initial_epoch(model) or initial_epoch
+        epoch = initial_epoch
+        # Where a restored backup stands: step and metric state within the epoch.
+        resume = model.__dict__.pop("_kd_resume", None)
+        if resume is not None:
+            executor.seek(train, initial_epoch, resume["step"])
         for epoch in range(initial_epoch, epochs):
             executor.reset_metrics()
             executor.begin_epoch()
@@ -331,8 +333,12 @@ def fit(executor, x=None, y=None, *, batch_size=None, epochs=1,
             if model.stop_training:
                 break
         executor.end_training()
-    except tf.errors.OpError as error:
-        guard.raise_if_nonfinite(error, epoch)  # keras_dist's own error, not TF's
+    except BaseException as error:
+        try:
+            replica_cbs.end_after_error(callbacks)
+        finally:
+            if isinstance(error, tf.errors.OpError):
+                guard.raise_if_nonfinite(error, epoch)  # keras_dist's own error, not TF's
         raise
     finally:
         executor.release()

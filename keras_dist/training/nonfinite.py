@@ -424,7 +424,11 @@ def keras_loop(model, mode, fit, *args, **kwargs):
     NonFinitePolicy(mode)  # checks `mode`
     optimizer = model.optimizer
     if optimizer is None or skips_itself(optimizer):
-        return fit(*args, **kwargs)  # a LossScaleOptimizer decides itself
+        try:
+            return fit(*args, **kwargs)  # a LossScaleOptimizer decides itself
+        except BaseException:
+            _end_after_error(kwargs.get("callbacks"))
+            raise
     guarded = compiled.cached(model, ("keras_loop", mode), lambda: _Guarded(model, mode))
     policy = guarded.policy
     policy.begin_training()
@@ -444,13 +448,25 @@ def keras_loop(model, mode, fit, *args, **kwargs):
     try:
         with update.intercept_apply(optimizer):
             return fit(*args, callbacks=callbacks, **kwargs)
-    except tf.errors.InvalidArgumentError as error:
-        raise_if_nonfinite(error, logs.epoch)
+    except BaseException as error:
+        # Keras calls no on_train_end when its fit raises: what keras_dist's
+        # callbacks hold past fit (signal handlers, a lock) is let go here.
+        try:
+            _end_after_error(callbacks)
+        finally:
+            if isinstance(error, tf.errors.InvalidArgumentError):
+                raise_if_nonfinite(error, logs.epoch)
         raise
     finally:
         guarded.train_function = model.train_function
         _compat.drop_override(model, "train_step")
         model.train_function = own
+
+
+def _end_after_error(callbacks):
+    from keras_dist.callbacks import base as replica_cbs  # imports training
+
+    replica_cbs.end_after_error(callbacks)
 
 
 class _Guarded:
