@@ -245,3 +245,34 @@ def test_a_serving_task_that_exits_cleanly_is_explained(tmp_path):
     assert "call kd.fit or kd.serve" in proc.stdout
     assert "restarting" not in proc.stdout  # a clean exit is not a crash to retry
     assert time.monotonic() - start < 25
+
+
+@pytest.mark.multiprocess
+def test_a_task_that_cannot_start_stops_the_tasks_already_started():
+    """Issue 48, 3: an error other than Ctrl-C or a lost task while the job
+    starts (here Popen's real FileNotFoundError for the worker's program)
+    left the tasks already started (the ps and worker 0) serving in their
+    own sessions. The error reaches the caller and none of them is left."""
+    from keras_dist.cluster import jobs, launch
+    from keras_dist.cluster.config import ClusterConfig
+
+    marker = f"kd-start-fails-{os.getpid()}"
+
+    class WorkerCannotStart(launch.Cluster):
+        def _start_task(self, role, index):
+            if (role, index) == ("worker", 1):
+                self.command = ["/nonexistent/keras-dist-test-program"]
+            super()._start_task(role, index)
+
+    def new_cluster(restarts):
+        config = ClusterConfig.local(workers=2, ps=1)
+        return WorkerCannotStart(config, [sys.executable, "-c", "import time; time.sleep(600)",
+                                          marker], out=open(os.devnull, "w"))
+
+    try:
+        with pytest.raises(FileNotFoundError, match="keras-dist-test-program"):
+            jobs.run_jobs(new_cluster, max_restarts=2)
+        assert pids_with_marker(marker) == [], process_states(marker)
+    finally:
+        for pid in pids_with_marker(marker):
+            os.kill(pid, 9)

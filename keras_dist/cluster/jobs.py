@@ -38,9 +38,16 @@ def run_jobs(new_cluster, max_restarts):
         75 when the leader saved a backup and exited preempted meanwhile.
     """
     restarts = 0
+    # A SIGTERM while the tasks are being stopped does not cut the stopping
+    # short (its SIGKILL pass); it is noted, and no restart follows.
+    stopping = interrupted = False
 
     def on_signal(signum, frame):
-        raise KeyboardInterrupt
+        nonlocal interrupted
+        if stopping:
+            interrupted = True
+        else:
+            raise KeyboardInterrupt
 
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, on_signal) if main_thread else None
@@ -53,17 +60,30 @@ def run_jobs(new_cluster, max_restarts):
             except TaskLost as lost:
                 result = launch.Failure(lost.task, -signal.SIGKILL)
             except KeyboardInterrupt:
+                stopping = True
                 cluster._say("interrupted; stopping every task (each may save a backup)")
                 cluster.stop(grace=launch.PREEMPTION_WAIT)
                 leader = cluster.procs.get(cluster.leader)
                 cluster.cleanup()
                 return launch.PREEMPTED_EXIT_CODE if leader is not None and \
                     leader.returncode == launch.PREEMPTED_EXIT_CODE else 130
+            except BaseException:
+                # Anything else (a task that cannot be started: Popen's
+                # OSError): no task keeps serving in its own session.
+                stopping = True
+                cluster.stop()
+                cluster.cleanup()
+                raise
+            stopping = True
             backup = cluster.backup_in_force()
             cluster.stop()
             cluster.cleanup()
+            stopping = False
             if not isinstance(result, launch.Failure):
                 return result
+            if interrupted:
+                cluster._say("interrupted while stopping the cluster; not restarting")
+                return 130
             task = f"{result.task[0]}:{result.task[1]}"
             # The shell's convention for a killed task: 128 + signal number.
             code = result.code if result.code > 0 else 128 - result.code
