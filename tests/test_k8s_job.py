@@ -272,7 +272,10 @@ def test_restarts_count_per_task_and_preemptions_do_not():
     assert rules == [
         {"action": "Ignore", "onExitCodes": {"containerName": container, "operator": "In",
                                              "values": [PREEMPTED_EXIT_CODE]}},
-        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]},
+        # Without `status` the Job fails schema validation on Kubernetes
+        # 1.31-1.34 ("'status' is a required property", issue 48).
+        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget",
+                                                  "status": "True"}]},
     ]
     assert spec["podReplacementPolicy"] == "Failed"
     pod = spec["template"]["spec"]

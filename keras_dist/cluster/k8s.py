@@ -276,7 +276,9 @@ def _k8s_job(command, workers, ps, evaluator, image, name, namespace, port,
                 "containerName": _CONTAINER, "operator": "In",
                 "values": [PREEMPTED_EXIT_CODE]}},
             # Preempted, evicted or drained by Kubernetes: the same.
-            {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]},
+            # `status` too: the schemas of Kubernetes 1.31-1.34 require it.
+            {"action": "Ignore",
+             "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
         ]},
         # A replacement starts once the old pod is gone: two pods of one index
         # make TensorFlow fail ("Duplicate task registration"). The default
