@@ -21,6 +21,14 @@ def mirrored():
     return kd.resolve_strategy("mirrored", devices=CPUS)
 
 
+def _dense(seed):
+    """A compiled one-layer regression model (3 inputs, 2 outputs) from `seed`."""
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile("sgd", "mse")
+    return model
+
+
 def _xy(n=40):
     rng = np.random.default_rng(0)
     return rng.normal(size=(n, 3)).astype("float32"), rng.normal(size=(n, 2)).astype("float32")
@@ -259,10 +267,7 @@ def test_predict_and_evaluate_after_a_one_device_fit_with_a_step_backup(tmp_path
     x, y = _xy(48)
 
     def build():
-        keras.utils.set_random_seed(3)
-        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
-        model.compile("sgd", "mse")
-        return model
+        return _dense(3)
 
     backup = kd.callbacks.BackupAndRestore(str(tmp_path / "backup"), save_freq=2)
     model = kd.fit(build, x, y, epochs=2, batch_size=8, shuffle=False, verbose=0,
@@ -306,10 +311,7 @@ def test_a_callback_stops_evaluate_and_predict_early(mirrored):
     x, y = _xy(200)
 
     def build():
-        keras.utils.set_random_seed(2)
-        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
-        model.compile("sgd", "mse")
-        return model
+        return _dense(2)
 
     def endless():
         while True:
