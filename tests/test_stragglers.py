@@ -210,7 +210,12 @@ def test_multiworker_worker_throttled_from_outside_is_flagged(tmp_path, period, 
     result, _ = run(tmp_path, ps=0, epochs=3, batch=16,
                     outside=throttled("worker1", period, stopped))
     assert_flags_only(result, "replica1")
-    assert result["costs"]["replica0"] < THRESHOLD / 2
+    # Worker 0 was never flagged (above); its last window's cost is the
+    # noise two equal replicas trade on a shared machine, which the detector
+    # documents as under 15%. (This asserted under 10% until a CI run, with
+    # an in-process test busy on the other xdist worker, saw 0.102.)
+    costs = result["costs"]
+    assert costs["replica0"] < 0.15 and costs["replica0"] < costs["replica1"], costs
 
 
 @pytest.mark.whole_machine  # worker 0's core must be its own (CI: cost 0.07 beside other tests)
