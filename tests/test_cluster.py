@@ -12,9 +12,11 @@ import subprocess
 import sys
 import textwrap
 
+import keras
 import pytest
 import tensorflow as tf
 
+import keras_dist as kd
 from keras_dist import ClusterConfig
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -528,3 +530,21 @@ def test_from_env_slurm_jobs_layout_errors_name_the_variable(jobs, match):
     with pytest.raises(ValueError, match=rf"{match}.*Roles from KERAS_DIST_SLURM_JOBS="
                                          rf"{re.escape(repr(jobs))}"):
         ClusterConfig.from_env(_slurm_jobs_env(jobs))
+
+
+@pytest.mark.parametrize("grace", [0, -1, True, "30", float("nan")])
+def test_serve_rejects_a_bad_grace_period_before_it_starts_a_server(grace):
+    config = kd.ClusterConfig.local(workers=1, ps=1).for_task("ps")
+    with pytest.raises(ValueError, match=r"`grace_period` must be a number of seconds > 0 .*"
+                                         rf"Received: grace_period={re.escape(repr(grace))}\."):
+        kd.serve(config, grace_period=grace)
+
+
+def test_fit_gives_a_serving_task_its_backups_grace_period(tmp_path):
+    from keras_dist.training.plan import grace_period
+
+    backup = kd.callbacks.BackupAndRestore(str(tmp_path), grace_period=90)
+    assert grace_period([keras.callbacks.History(), backup]) == 90.0
+    assert grace_period(keras.callbacks.CallbackList([backup])) == 90.0
+    assert grace_period([keras.callbacks.History()]) is None
+    assert grace_period(None) is None

@@ -207,19 +207,33 @@ def test_multiworker_job_sigtermed_on_every_task_restarts_and_matches_an_uninter
 
 
 @pytest.mark.multiprocess
-def test_parameter_server_chief_sigtermed_drains_saves_and_the_job_counts_every_update(
+def test_parameter_server_job_sigtermed_on_every_task_backs_up_and_counts_every_update(
         tmp_path):
+    """Like Kubernetes preempting the whole Job (or keras-dist-run getting
+    SIGTERM): every task at once. The ps and the workers serve on until
+    the chief has drained what was in flight and backed up (they used to
+    stop at once, and the chief died on an UnavailableError with no backup),
+    then every task exits 75 and the launcher restarts the job from that
+    backup. (The chief alone SIGTERMed: test_k8s_cluster's preempted chief
+    pod.)"""
     proc = launch(tmp_path, ps=1)
     try:
         wait_for(tmp_path, 1, 5, proc)
-        chief = pids(proc, ("chief",), 1)
-        os.kill(chief[0], signal.SIGTERM)
+        for pid in pids(proc, ("ps", "worker", "chief"), 4):
+            os.kill(pid, signal.SIGTERM)
     finally:
         code = finish(proc)
     text = log(proc)
     assert code == 0, text[-3000:]
+    first_run = text[:text.index("restarting the job")]
+    assert "[chief:0] keras_dist: SIGTERM: backed up at epoch 2, step " in first_run, \
+        first_run[-3000:]
+    for task in ("ps:0", "worker:0", "worker:1"):
+        assert f"[{task}] keras_dist: {task} stops serving: the chief is done; exiting with " \
+               "code 75 (preempted)" in first_run, first_run[-3000:]
     assert "chief:0 was preempted (saved a backup, exit code 75); restarting the job " \
            "(1/2), resuming from" in text, text[-3000:]
+    assert "UnavailableError" not in first_run, first_run[-3000:]
     resumed = result(tmp_path)
     assert resumed["restored_epoch"] == 1
     # What was in flight finished before the backup: every update counted

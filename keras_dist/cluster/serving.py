@@ -7,7 +7,11 @@ chief schedules. The same script runs on every task: on worker and ps tasks
 """
 
 import logging
+import os
+import signal
 import socket
+import sys
+import threading
 import time
 
 import tensorflow as tf
@@ -20,6 +24,9 @@ from keras_dist.cluster.ports import check_own_port
 logger = logging.getLogger("keras_dist")
 
 _SERVERS = {}
+
+PREEMPTED_EXIT_CODE = 75  # keras_dist.callbacks.backup.PREEMPTED_EXIT_CODE
+DEFAULT_GRACE_PERIOD = 30.0  # Kubernetes' default terminationGracePeriodSeconds
 
 
 def start_server(cluster):
@@ -53,15 +60,29 @@ def start_server(cluster):
     return _SERVERS[key]
 
 
-def serve(cluster=None):
+def serve(cluster=None, grace_period=None):
     """Serves this worker / ps task until the process is stopped.
 
     Call it on `worker` and `ps` tasks of a parameter-server cluster (the
     launcher or the scheduler stops them when the chief is done).
     `keras_dist.fit` and `AsyncModel.fit` call it for you on those tasks.
 
+    SIGTERM (preemption: a scheduler, Kubernetes or `keras-dist-run`
+    signals every task of the job at once) does not stop the serving at
+    once: the chief still needs this task to finish the steps in flight and
+    to read the variables for its backup. The task serves on until the
+    chief has exited (its port stops answering) or until 80% of
+    `grace_period` has passed, then exits with code 75 ("preempted"), like
+    the chief after its backup; when the chief is gone already (the job
+    is over), SIGTERM ends it at once, as by default. SIGKILL and Ctrl-C
+    end it at once too.
+
     Args:
         cluster: `ClusterConfig` or `None` to read `TF_CONFIG` / SLURM.
+        grace_period: Seconds between the scheduler's SIGTERM and its
+            SIGKILL (Kubernetes' `terminationGracePeriodSeconds`); `None`
+            for 30, Kubernetes' default. `keras_dist.fit` passes the
+            `grace_period` of the `BackupAndRestore` in its callbacks.
 
     Example:
 
@@ -86,7 +107,73 @@ def serve(cluster=None):
             f"keras_dist.serve() runs worker and ps tasks; this process is "
             f"{cluster.task_type}:{cluster.task_index}, which coordinates: call "
             "keras_dist.fit (or AsyncModel.fit) instead.")
-    start_server(cluster).join()
+    grace_period = _check_grace_period(grace_period)
+    start_server(cluster)
+    _serve_until_preempted(cluster, grace_period)
+
+
+def _check_grace_period(grace_period):
+    if grace_period is None:
+        return DEFAULT_GRACE_PERIOD
+    if (isinstance(grace_period, bool) or not isinstance(grace_period, (int, float))
+            or not grace_period > 0):
+        raise ValueError(
+            "keras_dist.serve(): `grace_period` must be a number of seconds > 0 (the "
+            f"scheduler's time between SIGTERM and SIGKILL; default 30). Received: "
+            f"grace_period={grace_period!r}.")
+    return float(grace_period)
+
+
+def _serve_until_preempted(cluster, grace_period, poll=0.2):
+    """The server runs on TensorFlow's threads; the main thread waits here
+    (not in `Server.join()`, whose C++ wait would keep a Python SIGTERM
+    handler from ever running) for SIGTERM, then for the chief to be done."""
+    signalled = threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, frame: signalled.set())
+    else:  # no handler can be installed: SIGTERM keeps its default action
+        logger.info("keras_dist: serve() runs outside the main thread; SIGTERM ends "
+                    "this task at once (no wait for the chief's backup)")
+    while not signalled.wait(1.0):
+        pass
+    deadline = time.monotonic() + 0.8 * grace_period
+    chief = (cluster.cluster.get("chief") or [None])[0]
+    name = f"{cluster.task_type}:{cluster.task_index}"
+    waited = misses = 0
+    while misses < 2 and time.monotonic() < deadline:
+        # Twice unanswered: one refused connect is the chief gone, not a blip.
+        misses = 0 if chief is not None and _answers(chief) else misses + 1
+        if misses == 0 and not waited:
+            logger.info("keras_dist: %s got SIGTERM; serving until the chief is done (at "
+                        "most %.0f s)", name, 0.8 * grace_period)
+        waited += misses == 0
+        if misses < 2:
+            time.sleep(poll)
+    if waited:  # (the end of every job, the chief gone first, says nothing)
+        why = ("the chief is done" if misses >= 2 else
+               f"{0.8 * grace_period:.0f} s passed (80% of the grace period) and the "
+               "chief still runs")
+        logger.info("keras_dist: %s stops serving: %s; exiting with code %d (preempted)",
+                    name, why, PREEMPTED_EXIT_CODE)
+    for handler in logging.getLogger().handlers + logger.handlers:
+        handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if not waited:  # as before: ended by SIGTERM, as an uncaught one ends it
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+    # At once: TensorFlow's server has no clean shutdown, and nothing here
+    # holds anything to save.
+    os._exit(PREEMPTED_EXIT_CODE)
+
+
+def _answers(address, timeout=1.0):
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return True
+    except OSError:
+        return False
 
 
 def meet_peers(cluster, timeout, poll=0.2):

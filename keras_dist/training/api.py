@@ -27,7 +27,7 @@ from keras_dist.training import staleness
 from keras_dist.training.async_executor import AsyncExecutor
 from keras_dist.training.async_model import AsyncModel
 from keras_dist.training.data import is_dataset_fn
-from keras_dist.training.plan import Route, RunPlan, needs_own_loop
+from keras_dist.training.plan import Route, RunPlan, grace_period, needs_own_loop
 from keras_dist.training.sync_executor import SyncExecutor
 
 logger = logging.getLogger("keras_dist")
@@ -143,7 +143,8 @@ def fit(model, x=None, y=None, *, strategy="auto", cluster=None, nonfinite_updat
                          elastic=elastic, variable_partitioner=variable_partitioner,
                          fit_kwargs=fit_kwargs)
     if plan.serving_task:
-        serve(plan.cluster)  # a worker / ps task of a parameter-server cluster: never returns
+        # A worker / ps task of a parameter-server cluster: never returns.
+        serve(plan.cluster, grace_period=grace_period(fit_kwargs.get("callbacks")))
     model = _model_in_scope(model, plan.strategy)
     if plan.parameter_server and _convertible(model):
         with plan.strategy.scope():

@@ -178,6 +178,7 @@ class AsyncModel(keras.Model):
             **kwargs: `keras.Model.fit`'s arguments.
         """
         from keras_dist.training import api
+        from keras_dist.training import plan as plan_lib
         from keras_dist.training.plan import RunPlan
 
         plan = RunPlan.build(self.distribute_strategy,
@@ -185,7 +186,8 @@ class AsyncModel(keras.Model):
                              local_steps=local_steps, outer_optimizer=outer_optimizer,
                              elastic=elastic, fit_kwargs=kwargs)
         if plan.serving_task and not plan.parameter_server:
-            serve(plan.cluster)  # a worker / ps task of the cluster serves here
+            # A worker / ps task of the cluster serves here.
+            serve(plan.cluster, grace_period=plan_lib.grace_period(kwargs.get("callbacks")))
         # Under parameter servers the asynchronous executor; under any other
         # strategy what `keras_dist.fit` does there (Keras' own loop with the
         # non-finite policy in it, or keras_dist's where Keras' fails), on

@@ -310,3 +310,13 @@ def backs_up(callbacks):
 
     items = getattr(callbacks, "callbacks", callbacks) or []
     return any(isinstance(c, BackupAndRestore) for c in items)
+
+
+def grace_period(callbacks):
+    """The `grace_period` of the `BackupAndRestore` among `callbacks` (how
+    long a serving task waits for the chief's backup after SIGTERM), or
+    `None` without one."""
+    from keras_dist.callbacks.backup import BackupAndRestore
+
+    items = getattr(callbacks, "callbacks", callbacks) or []
+    return next((c.grace_period for c in items if isinstance(c, BackupAndRestore)), None)
