@@ -6,7 +6,7 @@ Each task (chief, workers, ps, evaluator) is a Ray actor that picks a port
 on its own node and runs the command, with its `TF_CONFIG`, as a fresh
 process; the output comes back prefixed with the task (`[worker:1] ...`),
 and failures follow `keras-dist-run`'s rules (see `run`). Needs the `ray`
-extra: `pip install 'keras-dist[ray]'`. Neither Ray nor TensorFlow is
+extra (`pip install ray`). Neither Ray nor TensorFlow is
 imported with this module: `--help` answers at once.
 """
 
@@ -197,7 +197,8 @@ def _import_ray():
     except ImportError as error:
         raise ImportError(
             "keras_dist.ray needs Ray, which is not installed here. Install it with "
-            "`pip install 'keras-dist[ray]'` (or `pip install ray`).") from error
+            "`pip install ray`, or with keras-dist's `ray` extra: `pip install "
+            "\"<keras_dist wheel>[ray]\"` (`pip install -e '.[ray]'` in a clone).") from error
     return ray
 
 

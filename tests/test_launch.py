@@ -276,3 +276,42 @@ def test_a_task_that_cannot_start_stops_the_tasks_already_started():
     finally:
         for pid in pids_with_marker(marker):
             os.kill(pid, 9)
+
+
+@pytest.mark.parametrize("option, value", [("--image", "train:1"), ("--job-name", "digits"),
+                                           ("--port", "2345")])
+def test_a_recipe_option_without_emit_is_an_error_not_ignored(option, value, capsys):
+    from keras_dist.cluster import launch
+
+    with pytest.raises(SystemExit) as exit:
+        launch.parse_args(["--workers", "2", option, value, "--", sys.executable, "-c", "1"])
+    assert exit.value.code == 2
+    assert (f"{option} applies to a recipe (--emit) only; without --emit the tasks run here "
+            f"and nothing would use it. Received: {option} {value} and no --emit. Add --emit "
+            f"tfjob, k8s or slurm, or drop {option}.") in capsys.readouterr().err
+
+
+@pytest.mark.multiprocess
+def test_a_worker_failing_with_its_own_error_under_ps_stops_the_job_once(tmp_path):
+    """A Python exception in a worker's script would fail again after a
+    restart: the job stops at the first one (it was restarted 3 times, its
+    traceback printed 4 times), as a training task's error does without ps.
+    The tasks here import no TensorFlow."""
+    script = tmp_path / "task.py"
+    script.write_text(
+        "import json, os, time\n"
+        "task = json.loads(os.environ['TF_CONFIG'])['task']\n"
+        "if (task['type'], task['index']) == ('worker', 1):\n"
+        "    raise RuntimeError('a bug of the script of its own')\n"
+        "time.sleep(120)\n")
+    start = time.monotonic()
+    proc = subprocess.run(LAUNCH + ["--workers", "2", "--ps", "1", "--", sys.executable,
+                                    str(script)], cwd=REPO, capture_output=True, text=True,
+                          timeout=100)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert out.count("RuntimeError: a bug of the script of its own") == 1, out
+    assert ("[keras-dist-run] worker:1 exited with code 1; stopping the cluster (an error of "
+            "the task's own: a restart would fail the same way)") in out, out
+    assert "restarting" not in out, out
+    assert time.monotonic() - start < 60

@@ -470,7 +470,7 @@ def _args(*argv):
 def test_add_arguments_defaults_mean_run_locally():
     args = _args("--", "python", "train.py")
     assert (args.emit, args.image, args.job_name, args.port) == (
-        None, None, "keras-dist", None)
+        None, None, None, None)
 
 
 def test_add_arguments_refuses_an_unknown_format(capsys):

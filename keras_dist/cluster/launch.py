@@ -130,7 +130,15 @@ def parse_args(argv):
     recipes.add_arguments(parser)
     args = parser.parse_args(argv)
     command = check_task_arguments(parser, args)
-    if args.emit is not None:
+    if args.emit is None:
+        for option, value in (("--image", args.image), ("--job-name", args.job_name),
+                              ("--port", args.port)):
+            if value is not None:
+                parser.error(
+                    f"{option} applies to a recipe (--emit) only; without --emit the "
+                    f"tasks run here and nothing would use it. Received: {option} {value} "
+                    "and no --emit. Add --emit tfjob, k8s or slurm, or drop " + option + ".")
+    else:
         # The command runs in a container or on compute nodes: it need not exist here.
         args.command = command
         try:
@@ -209,8 +217,10 @@ class Cluster:
         """Waits for the leader (and, without ps, every worker); returns its
         code, or `Failure` when the job should be restarted as a whole.
 
-        With ps tasks (asynchronous training) a worker that dies is restarted
-        alone, up to `max_restarts` times per worker: TensorFlow's
+        With ps tasks (asynchronous training) a worker that dies (killed by
+        a signal, or preempted: 75) is restarted alone, up to `max_restarts`
+        times per worker; one that exits with an error of its own stops the
+        job, as any training task's does without ps. TensorFlow's
         coordinator runs its lost steps elsewhere and uses it again once it
         is back. Any other task that dies (or exits with
         `PREEMPTED_EXIT_CODE`, having saved a backup) fails the job: a
@@ -234,6 +244,14 @@ class Cluster:
                         "model.fit?). On worker and ps tasks call kd.fit or kd.serve, "
                         "which serve the chief. Stopping the cluster")
                     return 1
+                if self.config.num_ps and task[0] == "worker" and not Failure(
+                        task, code).restartable and self._taken_port(task) is None:
+                    # An error of its own (a Python exception): restarted, it
+                    # would fail the same way; the job stops, as without ps.
+                    self._say(f"{task[0]}:{task[1]} exited with code {code}; stopping the "
+                              "cluster (an error of the task's own: a restart would fail "
+                              "the same way)")
+                    return code
                 if self.config.num_ps and task[0] == "worker":
                     used = self.restarts.get(task, 0)
                     if self._taken_port(task) is not None:

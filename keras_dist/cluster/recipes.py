@@ -280,7 +280,7 @@ def add_arguments(parser):
 
     `--emit {tfjob,k8s,slurm}` (dest `emit`, default `None`: run locally),
     `--image` (dest `image`), `--job-name` (dest `job_name`, default
-    `"keras-dist"`) and `--port` (dest `port`, default `None`: 2222). Pass
+    `None`: "keras-dist") and `--port` (dest `port`, default `None`: 2222). Pass
     the parsed arguments to `emit_from_args`.
 
     Args:
@@ -297,7 +297,7 @@ def add_arguments(parser):
     >>> _ = recipes.add_arguments(parser)
     >>> args = parser.parse_args(["--emit", "tfjob", "--image", "train:1"])
     >>> args.emit, args.image, args.job_name, args.port
-    ('tfjob', 'train:1', 'keras-dist', None)
+    ('tfjob', 'train:1', None, None)
     """
     group = parser.add_argument_group(
         "cluster recipes",
@@ -311,7 +311,7 @@ def add_arguments(parser):
     group.add_argument("--image", default=None,
                        help="with --emit tfjob or k8s (required): the container image "
                             "every pod runs, with the script and keras-dist installed")
-    group.add_argument("--job-name", default="keras-dist", dest="job_name", metavar="NAME",
+    group.add_argument("--job-name", default=None, dest="job_name", metavar="NAME",
                        help="with --emit: the TFJob's, Job's or SLURM job's name "
                             "(default keras-dist)")
     group.add_argument("--port", type=int, default=None,
@@ -353,7 +353,8 @@ def emit_from_args(args):
     if command[:1] == ["--"]:
         command = command[1:]
     image, port = getattr(args, "image", None), getattr(args, "port", None)
-    name = getattr(args, "job_name", "keras-dist")
+    name = getattr(args, "job_name", None)
+    name = "keras-dist" if name is None else name
     if emit in ("tfjob", "k8s"):
         if image is None or not str(image).strip():
             raise ValueError(
