@@ -86,6 +86,86 @@ def test_a_fit_ended_by_an_exception_leaves_nothing_behind(tmp_path, mirrored, s
     assert {number: signal.getsignal(number) for number in SIGNALS} == before
 
 
+class FailAt(keras.callbacks.Callback):
+    """Raises in `hook` (at epoch 1, batch 2 where those apply)."""
+
+    def __init__(self, hook):
+        super().__init__()
+        self.hook, self.epoch = hook, 0
+        for name in ("on_train_begin", "on_epoch_begin", "on_train_batch_begin",
+                     "on_test_begin", "on_epoch_end", "on_train_end"):
+            setattr(self, name, self._maybe(name, getattr(self, name)))
+
+    def _maybe(self, name, original):
+        def hook(*args, **kwargs):
+            if name == "on_epoch_begin":
+                self.epoch = args[0]
+            at = {"on_train_batch_begin": self.epoch == 1 and args[0] == 2,
+                  "on_epoch_begin": self.epoch == 1, "on_epoch_end": args and args[0] == 1,
+                  "on_test_begin": self.epoch == 1}.get(name, True)
+            if name == self.hook and at:
+                raise RuntimeError(f"failed in {name}")
+            return original(*args, **kwargs)
+        return hook
+
+
+PHASES = ["strategy", "restore", "on_train_begin", "on_epoch_begin", "on_train_batch_begin",
+          "on_test_begin", "on_epoch_end", "on_train_end"]
+
+
+@pytest.mark.parametrize("shape", ["one_device", "mirrored"])
+@pytest.mark.parametrize("phase", PHASES)
+def test_an_exception_at_every_phase_of_fit_leaves_nothing_behind(tmp_path, mirrored, shape,
+                                                                    phase):
+    """Each phase's failure, then: the handlers from before, no keras_dist
+    thread, no executor left on the model, and a second `fit` with the same
+    backup directory trains. ("restore": the backup was written by another
+    model, so restoring it fails; "strategy": a strategy name that does not
+    exist.)"""
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+    y = np.arange(64) % 3
+    strategy = mirrored if shape == "mirrored" else "auto"
+    directory = str(tmp_path / "backup")
+    if phase == "restore":
+        def other():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5),
+                                      keras.layers.Dense(3, activation="softmax")])
+            model.compile("sgd", "sparse_categorical_crossentropy")
+            return model
+        with pytest.raises(RuntimeError):  # its backups stay: it did not end well
+            kd.fit(other, x, y, strategy=strategy, epochs=2, batch_size=8, verbose=0,
+                   callbacks=[kd.callbacks.BackupAndRestore(directory, save_freq=3),
+                              FailAt("on_epoch_end")])
+        assert os.listdir(directory)
+    before = {number: signal.getsignal(number) for number in SIGNALS}
+    threads = _threads()
+    model = build()
+    if shape == "mirrored":
+        with mirrored.scope():
+            model = build()
+    fail = FailAt(phase)
+    with pytest.raises((RuntimeError, ValueError)) as raised:
+        kd.fit(model, x, y, strategy="no-such-strategy" if phase == "strategy" else strategy,
+               epochs=3, batch_size=8, verbose=0, validation_data=(x[:16], y[:16]),
+               callbacks=[kd.callbacks.BackupAndRestore(directory, save_freq=3), fail])
+    assert str(raised.value).startswith({
+        "strategy": "Unknown strategy 'no-such-strategy'",
+        "restore": "BackupAndRestore: the backup "}.get(phase, f"failed in {phase}")), raised.value
+    if phase == "restore":
+        assert "does not fit this model" in str(raised.value)
+    assert {number: signal.getsignal(number) for number in SIGNALS} == before
+    assert _threads() <= threads
+    assert "_kd_executor" not in model.__dict__
+    if phase == "restore":
+        import shutil
+
+        shutil.rmtree(directory)
+    history = kd.fit(build, x, y, strategy=strategy, epochs=3, batch_size=8, verbose=0,
+                     callbacks=[kd.callbacks.BackupAndRestore(directory, save_freq=3)])
+    assert len(history.history["loss"]) >= 1
+    assert {number: signal.getsignal(number) for number in SIGNALS} == before
+
+
 @pytest.mark.multiprocess
 def test_sigterm_after_a_failed_fit_ends_the_process_by_the_signal(tmp_path):
     """From outside: the process that survived a failed `kd.fit` dies of a
