@@ -125,6 +125,10 @@ def test_nonfinite_updates_are_skipped_and_counted_or_raise(request, shared_clus
         assert "gradients are not finite" in result["error"]
         assert "Graph execution error" not in result["error"]
         assert "nonfinite_updates = " in result["error"]
+        # The failed fit left nothing behind, and the model trains again.
+        assert result["handlers_restored"], result
+        assert result["threads_left"] == [] and not result["executor_left"], result
+        assert result["trained_again"], result
         return
     skipped = result["history"]["skipped_nonfinite"]
     assert all(s > 0 for s in skipped)          # poisoned batches occur every epoch

@@ -441,10 +441,34 @@ class AsyncExecutor(driver.Executor):
             values = [v.numpy() for v in reads]
         return int(values[0]), int(values[1]) if counter is not None else 0
 
-    def release(self):
+    def release(self, failed=False):
         if self._flight is not None:
             self.model.__dict__["step_counts"] = self._flight.counts.as_dict()
             self._flight.close()
+        if failed:
+            self._clear_failures()
+
+    def _clear_failures(self, timeout=10.0):
+        """After a `fit` that a failed step ended (its error reached the user
+        through the step's result), TF's coordinator still holds the error
+        and would raise it at the next `fit`'s first `schedule`: the stale
+        failure of a finished run. `done()` raises it once and clears it
+        (cancelling what was queued); the steps still in flight end within a
+        step, and any of their errors are cleared the same way."""
+        coordinator = getattr(self, "coordinator", None)
+        if coordinator is None:
+            return
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                with quiet_tf_logger("CRITICAL"):  # "Start cancelling closures due to error"
+                    if coordinator.done():
+                        return
+            except Exception:  # noqa: BLE001 (the failure this fit already raised)
+                continue
+            time.sleep(0.02)
+        logger.warning("keras_dist: steps of the failed fit were still running after %.0f s; "
+                       "the next fit may see their errors", timeout)
 
     def _schedule(self, fn):
         optimizer = self.model.optimizer

@@ -167,8 +167,9 @@ class Executor(abc.ABC):
         epoch's reset), so the epoch's logs count every step of it."""
         assign_metric_state(self.model, values)
 
-    def release(self):
-        """Frees what training held (threads, probes), however it ended."""
+    def release(self, failed=False):
+        """Frees what training held (threads, probes), however it ended
+        (`failed`: an exception ends the `fit`)."""
 
 
 def _batch_ends(events, on_batch_begin):
@@ -268,6 +269,7 @@ def fit(executor, x=None, y=None, *, batch_size=None, epochs=1,
     # exception also ends the callbacks that hold something past `fit`
     # (a BackupAndRestore's signal handlers and lock), since Keras calls no
     # `on_train_end` then.
+    failed = False
     try:
         executor.begin_training(train, callbacks)
         # A TerminateOnNaN sees a skipped update's batch as Keras shows it.
@@ -334,6 +336,7 @@ def fit(executor, x=None, y=None, *, batch_size=None, epochs=1,
                 break
         executor.end_training()
     except BaseException as error:
+        failed = True
         try:
             replica_cbs.end_after_error(callbacks)
         finally:
@@ -341,7 +344,7 @@ def fit(executor, x=None, y=None, *, batch_size=None, epochs=1,
                 guard.raise_if_nonfinite(error, epoch)  # keras_dist's own error, not TF's
         raise
     finally:
-        executor.release()
+        executor.release(failed=failed)
         model.__dict__.pop("_kd_executor", None)
         model.__dict__.pop("_kd_resume", None)
     if isinstance(model.optimizer, keras.optimizers.Optimizer) and epochs > 0:

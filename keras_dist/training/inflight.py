@@ -231,8 +231,12 @@ class InFlight:
     def stuck(self):
         return [e for e in self.pending if e.stuck]
 
-    def close(self):
-        """Stops the fetch threads that are free (a thread still waiting on
-        an execution that never ends stays, as a daemon)."""
+    def close(self, timeout=2.0):
+        """Stops the fetch threads, waiting up to `timeout` seconds in all
+        for those still fetching a finished execution's result (a thread
+        waiting on an execution that never ends stays, as a daemon)."""
         for _ in self._threads:
             self._jobs.put(None)
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))

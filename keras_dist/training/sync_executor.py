@@ -92,7 +92,7 @@ class SyncExecutor(driver.Executor):
         self._train_fns.open()
         self._iterator = iter(train_input.dataset) if train_input.repeats else None
 
-    def release(self):
+    def release(self, failed=False):
         if self._train_fns is not None:
             self._train_fns.close()
         data_lib.release_iterator(self._iterator)
