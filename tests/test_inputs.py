@@ -439,3 +439,60 @@ def test_parameter_server_workers_cannot_read_python_inputs(mirrored, kind):
                  tf.data.Dataset.from_tensor_slices((x, y)).batch(8))}[kind]()
     with pytest.raises(ValueError, match="parameter-server workers cannot read.*dataset_fn"):
         data_lib.per_worker_input(None, value)
+
+
+class _Hooks(keras.callbacks.Callback):
+    """Every batch and epoch hook, with its index."""
+
+    def on_train_begin(self, logs=None):
+        self.calls = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.calls.append(("begin", batch))
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.calls.append(("end", batch))
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.calls.append(("epoch_end", epoch))
+
+
+@pytest.mark.parametrize("batches", [7, 8], ids=["cut-short", "at-a-boundary"])
+@pytest.mark.parametrize("where", ["one_device", "mirrored"])
+def test_unknown_length_input_in_executions_shows_callbacks_what_keras_does(
+        mirrored, batches, where, tmp_path):
+    """Input of unknown length, steps_per_execution=2: Keras calls the hooks
+    once per execution (begin 0, end 1, begin 2, ...), the last execution
+    cut short by the data's end, then a begin with no end. keras_dist ran
+    one step per execution and called them per step (begin 0 end 1, begin 1
+    end 2, ...: overlapping), 7 times an epoch where Keras makes 4."""
+    x, y = _data(n=8 * batches)
+
+    def build():
+        model = _linear()()
+        model.compile(keras.optimizers.SGD(0.01, momentum=0.5), "mse", steps_per_execution=2)
+        return model
+
+    runs = {}
+    for who in ("keras", "keras_dist"):
+        hooks = _Hooks()
+        if who == "keras":
+            model = build()
+            history = model.fit(_batches(x, y, "unknown_length"), epochs=2, verbose=0,
+                                callbacks=[hooks])
+        else:
+            history = kd.fit(build, _batches(x, y, "unknown_length"), epochs=2, verbose=0,
+                             strategy=mirrored if where == "mirrored" else "auto",
+                             callbacks=[hooks, kd.callbacks.BackupAndRestore(
+                                 str(tmp_path), save_freq=3)])  # keras_dist's loop
+            model = history.model
+        runs[who] = (hooks.calls, history.history, model)
+    calls, history, model = runs["keras_dist"]
+    ref_calls, ref_history, ref_model = runs["keras"]
+    assert calls == ref_calls
+    ends = [b for kind, b in ref_calls if kind == "end"]
+    assert ends == [1, 3, 5, 7] * 2
+    np.testing.assert_allclose(history["loss"], ref_history["loss"], rtol=0, atol=TOLERANCE)
+    for ours_w, ref_w in zip(model.get_weights(), ref_model.get_weights()):
+        np.testing.assert_allclose(ours_w, ref_w, rtol=0, atol=TOLERANCE)
+

@@ -2,10 +2,12 @@
 
 Keras runs an epoch as executions of `steps_per_execution` steps (one
 compiled call each), the last one shorter when the epoch's steps do not
-divide evenly, and an input of unknown length one step at a time so that
-it stops exactly at the end of the data. Its callbacks see each execution
-at one batch index: the execution's last batch as if it ran all of
-`steps_per_execution` (7 steps at 3 per call end at batches 2, 5 and 8).
+divide evenly. Its callbacks see each execution at one batch index: the
+execution's last batch as if it ran all of `steps_per_execution` (7 steps
+at 3 per call end at batches 2, 5 and 8). keras_dist runs an input of
+unknown length one step per call, so that it stops exactly at the end of
+the data; the synchronous executor still shows the callbacks Keras'
+executions (`SyncExecutor._steps_of_unknown_count`).
 
 Both executors plan their epochs here:
 

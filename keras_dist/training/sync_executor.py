@@ -345,7 +345,11 @@ class _StepFunctions:
         from step `start` on; stops at `total` steps or at the end of the
         data (`keras_dist.training.steps.StepPlanner`)."""
         self.ran_out = False
-        for execution in StepPlanner.for_model(self.model, total, start).executions():
+        planner = StepPlanner.for_model(self.model, total, start)
+        if total is None and planner.per_call > 1:
+            yield from self._steps_of_unknown_count(iterator, planner)
+            return
+        for execution in planner.executions():
             yield driver.BatchBegin(execution.begin)
             try:
                 logs, reports = self._call(execution.size, iterator)
@@ -356,6 +360,46 @@ class _StepFunctions:
                 replica_cbs.ReplicaStep.from_report(r, "replica", steps=execution.size)
                 for r in reports]
             yield driver.BatchEnd(execution.batch, logs, steps)
+
+    def _steps_of_unknown_count(self, iterator, planner):
+        """An input of unknown length runs one step per call, to stop exactly
+        where the data ends, but the callbacks see what Keras shows them:
+        one batch per `steps_per_execution` steps (begin 0, end k - 1, begin
+        k, ...), the last one cut short by the end of the data, then a begin
+        with no end (Keras' call after the data's end, which finds nothing)."""
+        begin = planner.start
+        while True:
+            yield driver.BatchBegin(begin)
+            if self.ran_out:
+                return
+            logs, calls = None, []
+            for _ in range(planner.per_call):
+                try:
+                    logs, reports = self._call(1, iterator)
+                except (tf.errors.OutOfRangeError, StopIteration):
+                    self.ran_out = True
+                    break
+                calls.append(reports)
+            if not calls:  # the data ended at a boundary: this begin has no end
+                return
+            steps = None if calls[0] is None else [
+                _merged([replica_cbs.ReplicaStep.from_report(r, "replica", steps=1)
+                         for r in same]) for same in zip(*calls)]
+            yield driver.BatchEnd(planner.batch(begin), logs, steps)
+            begin += planner.per_call
+
+
+def _merged(steps):
+    """One replica's `ReplicaStep`s of consecutive calls as one."""
+    first = steps[0]
+    counted = [s for s in steps if s.examples]
+    examples = sum(s.examples for s in counted) if counted else first.examples
+    loss = (sum(s.loss * s.examples for s in counted) / examples if counted and examples
+            else first.loss)
+    return dataclasses.replace(
+        first, steps=sum(s.steps for s in steps), seconds=sum(s.seconds for s in steps),
+        examples=examples, loss=loss, waited=sum(s.waited for s in steps),
+        stalled=sum(s.stalled for s in steps))
 
 
 def _check_supported(optimizer, strategy, model=None):
