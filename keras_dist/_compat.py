@@ -58,6 +58,13 @@ route, where keras_dist uses it):
   Keras' reader of a generator or `keras.utils.PyDataset` (batches, order,
   class weights, workers, epoch hooks); Keras exports no data adapters.
   Unchanged from Keras 3.0 to 3.15. Used by `keras_dist.training.data`.
+- `keras.src.backend.compute_output_spec` (`symbolic_call`): runs a
+  function on `keras.KerasTensor`s in Keras' symbolic scope, as Keras'
+  symbolic build does before its first compiled step (a model's variables,
+  its compiled loss's and metrics' state); an overridden `compute_loss` can
+  tell that call from training only through this scope. Keras exports
+  `Layer.compute_output_spec` for one layer's `call`, nothing for the loss
+  and metrics. Used by `keras_dist.training.driver` (`build_for_training`).
 - Instance-method swaps (`override`, `overrides`, `drop_override`): a
   method of one TF or Keras object shadowed by an instance attribute,
   written to the instance's `__dict__` so that Keras' attribute tracking
@@ -105,6 +112,23 @@ def compiled_loss_and_metrics(model):
     """Keras' compiled loss and metrics containers of `model` (those it has)."""
     return [m for m in (getattr(model, "_compile_loss", None),
                         getattr(model, "_compile_metrics", None)) if m is not None]
+
+
+def symbolic_call(fn, *args, **kwargs):
+    """`fn(*args, **kwargs)` on symbolic tensors, in Keras' symbolic scope.
+
+    Inside a name scope: the scratch graph would take the model's name as a
+    root scope, which TensorFlow refuses for a name Keras derives from a
+    class whose name starts with "_" ("'_my_model' is not a valid root scope
+    name"; Keras' own one-device fit first builds inside its traced step,
+    never at a root)."""
+    from keras.src import backend
+
+    def scoped(*args, **kwargs):
+        with tf.name_scope("keras_dist_build"):
+            return fn(*args, **kwargs)
+
+    return backend.compute_output_spec(scoped, *args, **kwargs)
 
 
 def sublayers(model):

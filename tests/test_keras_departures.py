@@ -370,3 +370,45 @@ def test_predict_after_a_mirrored_fit_reads_inputs_as_keras_predict(mirrored):
                                reference.predict(batches(), verbose=0), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(kd.predict(model, batches(), verbose=0), expected,
                                rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", ["one_device", "mirrored"])
+def test_the_build_before_training_calls_compute_loss_symbolically(mirrored, shape, tmp_path):
+    """Keras' test_fwd_pass_loss_presence_in_compute_loss: an overridden
+    compute_loss that asserts `training` outside Keras' symbolic build.
+    keras_dist built the model by calling compute_loss(training=False)
+    eagerly on a real batch; Keras does it on symbolic tensors (or not at
+    all on one device), so the only real calls are training steps."""
+    from keras.src.backend.common.symbolic_scope import in_symbolic_scope  # as Keras' test
+
+    calls = []
+
+    class MyModel(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.custom_metric = keras.metrics.Mean(name="custom")
+            self.dense = keras.layers.Dense(2, activity_regularizer="l2")
+
+        def call(self, x):
+            return self.dense(x)
+
+        def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None,
+                         training=True):
+            calls.append((in_symbolic_scope(), training))
+            loss = super().compute_loss(x, y, y_pred, sample_weight, training)
+            self.custom_metric.update_state(sum(self.losses))
+            return loss
+
+    def build():
+        keras.utils.set_random_seed(0)
+        model = MyModel()
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    x, y = np.ones((32, 4), "float32"), np.ones((32, 2), "float32") * 2
+    history = kd.fit(build, x, y, verbose=0, batch_size=8,
+                     strategy=mirrored if shape == "mirrored" else "auto",
+                     callbacks=[kd.callbacks.BackupAndRestore(str(tmp_path), save_freq=2)])
+    assert all(training for symbolic, training in calls if not symbolic), calls
+    assert (True, False) in calls  # the build, as Keras' symbolic one
+    assert history.history["custom"][0] > 0.0

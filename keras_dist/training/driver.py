@@ -468,12 +468,19 @@ def build_for_training(model, strategy, sample_batch, build_optimizer=True):
             not getattr(m, "built", True)
             for m in [*model.metrics, *_compat.compiled_loss_and_metrics(model)])
         if unbuilt:
-            x, y, sample_weight = keras_lib.utils.unpack_x_y_sample_weight(sample_batch)
-            y_pred = model(x, training=False)
+            # On symbolic tensors, as Keras does (an overridden `compute_loss`
+            # may assert `training` outside Keras' symbolic scope).
+            symbolic = tf.nest.map_structure(
+                lambda v: None if v is None else keras_lib.KerasTensor(
+                    tuple(v.shape), keras_lib.backend.standardize_dtype(v.dtype)),
+                sample_batch)
+            x, y, sample_weight = keras_lib.utils.unpack_x_y_sample_weight(symbolic)
+            y_pred = _compat.symbolic_call(model, x, training=False)
             if y is not None:
-                model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
-                                   training=False)
-                model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+                _compat.symbolic_call(model.compute_metrics, x, y, y_pred,
+                                      sample_weight=sample_weight)
+                _compat.symbolic_call(model.compute_loss, x=x, y=y, y_pred=y_pred,
+                                      sample_weight=sample_weight, training=False)
         if build_optimizer and model.optimizer is not None and not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
         model.reset_metrics()
