@@ -19,7 +19,7 @@ route, where keras_dist uses it):
   `keras_dist.callbacks.backup` (so that Keras' own loop resumes too),
   read by `keras_dist.training.driver`.
 - `model._compile_loss`, `model._compile_metrics`
-  (`compiled_loss_and_metrics`): Keras' compiled loss and metrics
+  (`compiled_loss_and_metrics`, `compiled_loss`, `compiled_metrics`): Keras' compiled loss and metrics
   containers. Keras' symbolic build checks that they are built, and the
   per-output loss trackers of a multi-output model are not among
   `model.metrics`. Read by `keras_dist.training.driver` (the build before
@@ -110,8 +110,17 @@ def set_initial_epoch(model, epoch):
 
 def compiled_loss_and_metrics(model):
     """Keras' compiled loss and metrics containers of `model` (those it has)."""
-    return [m for m in (getattr(model, "_compile_loss", None),
-                        getattr(model, "_compile_metrics", None)) if m is not None]
+    return [m for m in (compiled_loss(model), compiled_metrics(model)) if m is not None]
+
+
+def compiled_loss(model):
+    """Keras' compiled loss container of `model`, or `None` (no loss compiled)."""
+    return getattr(model, "_compile_loss", None)
+
+
+def compiled_metrics(model):
+    """Keras' compiled metrics container of `model`, or `None`."""
+    return getattr(model, "_compile_metrics", None)
 
 
 def symbolic_call(fn, *args, **kwargs):

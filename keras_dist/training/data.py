@@ -10,6 +10,7 @@ where Keras' own data handling cannot be (see `keras_dist.training.driver`).
 
 import atexit
 import dataclasses
+import logging
 import math
 import numbers
 import queue
@@ -264,15 +265,22 @@ class _Releaser:
                 return
             del obj  # the last reference: the iterator's destructor runs here
 
-    def _drain(self):
+    def _drain(self, timeout=10.0):
         """At exit, before the interpreter stops its daemon threads: one
         stopped in the middle of TensorFlow's destructor could abort the
-        process (a training script would then exit non-zero)."""
+        process (a training script would then exit non-zero). At most
+        `timeout` seconds: an iterator whose destructor never returns (one
+        over a Python generator that waits forever) kept a process from
+        exiting at all."""
         with self._lock:
             self._stopped = True
             thread = self._thread
         self._queue.put(self._STOP)
-        thread.join()
+        thread.join(timeout)
+        if thread.is_alive():
+            logging.getLogger("keras_dist").warning(
+                "keras_dist: an input iterator was still being released %.0f s after the "
+                "program ended; exiting without waiting for it", timeout)
 
 
 _releaser = _Releaser()

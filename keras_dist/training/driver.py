@@ -476,9 +476,14 @@ def build_for_training(model, strategy, sample_batch, build_optimizer=True):
                 sample_batch)
             x, y, sample_weight = keras_lib.utils.unpack_x_y_sample_weight(symbolic)
             y_pred = _compat.symbolic_call(model, x, training=False)
-            if y is not None:
+            # Only the containers compile() made and that are not built yet,
+            # as Keras: without a compiled loss Keras calls no compute_loss
+            # here (a model whose only loss is its own add_loss has none).
+            metrics, loss = _compat.compiled_metrics(model), _compat.compiled_loss(model)
+            if metrics is not None and not getattr(metrics, "built", True):
                 _compat.symbolic_call(model.compute_metrics, x, y, y_pred,
                                       sample_weight=sample_weight)
+            if loss is not None and not getattr(loss, "built", True):
                 _compat.symbolic_call(model.compute_loss, x=x, y=y, y_pred=y_pred,
                                       sample_weight=sample_weight, training=False)
         if build_optimizer and model.optimizer is not None and not model.optimizer.built:
