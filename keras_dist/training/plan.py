@@ -306,17 +306,21 @@ def backs_up(callbacks):
     """Whether a `keras_dist.callbacks.BackupAndRestore` is among
     `callbacks`: its backups resume at a step within an epoch (and at the
     batches an uninterrupted run reads there), which Keras' own loop cannot."""
-    from keras_dist.callbacks.backup import BackupAndRestore
-
-    items = getattr(callbacks, "callbacks", callbacks) or []
-    return any(isinstance(c, BackupAndRestore) for c in items)
+    return _backup_among(callbacks) is not None
 
 
 def grace_period(callbacks):
     """The `grace_period` of the `BackupAndRestore` among `callbacks` (how
     long a serving task waits for the chief's backup after SIGTERM), or
     `None` without one."""
+    backup = _backup_among(callbacks)
+    return None if backup is None else backup.grace_period
+
+
+def _backup_among(callbacks):
+    """The first `BackupAndRestore` in `callbacks` (a list or a
+    `keras.callbacks.CallbackList`), or `None`."""
     from keras_dist.callbacks.backup import BackupAndRestore
 
     items = getattr(callbacks, "callbacks", callbacks) or []
-    return next((c.grace_period for c in items if isinstance(c, BackupAndRestore)), None)
+    return next((c for c in items if isinstance(c, BackupAndRestore)), None)
