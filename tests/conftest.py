@@ -226,6 +226,11 @@ SHARED_SCENARIOS = {
     "test_local_steps::test_a_backup_holds_the_outer_optimizer_and_the_elastic_copies": (
         "ps_local_backup.py",),
     "test_dana::test_dana_on_a_real_cluster": ("ps_dana.py",),
+    "test_local_wrappers::test_wrappers_in_local_steps_on_a_real_cluster": (
+        "ps_local_wrappers.py", "train"),
+    # The failing scenarios last: each checks the cluster trains again after it.
+    "test_local_wrappers::test_nonfinite_raise_with_local_steps_on_a_real_cluster": (
+        "ps_local_wrappers.py", "raise"),
     "test_async::test_nonfinite_updates_are_skipped_and_counted_or_raise[skip]": (
         "ps_nonfinite.py", "skip"),
     "test_async::test_nonfinite_updates_are_skipped_and_counted_or_raise[raise]": (

@@ -236,6 +236,21 @@ def run_workers(tmp_path, script, *, timeout, workers=2, env_extra=None):
 SHARED_TIMEOUT = 780
 
 
+def check_counts(result, duplicates=4, local=1):
+    """Every step scheduled finished or was lost, and the parameter version
+    counts the updates applied (one per step, or per round of `local`
+    steps; TF reruns a step at least once after a worker failure: a few
+    may be applied twice, never fewer)."""
+    counts = result["step_counts"]
+    assert all(value % local == 0 for value in counts.values()), counts
+    assert counts["scheduled"] == counts["finished"] + counts["lost"], counts
+    assert counts["scheduled"] - counts["speculative"] <= result["scheduled"], counts
+    assert counts["scheduled"] >= result["scheduled"] - counts["lost"], counts
+    updates = result["version"] - counts["finished"] // local
+    assert 0 <= updates <= duplicates + counts["lost"] // local, (result["version"], counts)
+    return counts
+
+
 def scenario_key(item):
     """A test item's key in a shared cluster's scenarios: "module::test id"."""
     return f"{item.module.__name__}::{item.name}"

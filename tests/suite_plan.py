@@ -13,9 +13,9 @@ Work units (one worker runs all of a unit's tests, in order):
   straggler's share of the job's time, epochs during a cut link). While
   it runs, no `multiprocess` test runs on the other worker (`Turns`): only
   tests that start no process, as a CPU hog beside it would.
-- tests that share a session- or module-scoped cluster (the shared
-  parameter-server cluster of `SHARED_SCENARIOS`, test_local_wrappers'):
-  one unit each, so the cluster is started once, not once per worker
+- tests that share the session's cluster (the shared parameter-server
+  cluster of `SHARED_SCENARIOS`): one unit, so the cluster is started
+  once, not once per worker
   (a reference run several tests compare against is made once per run by
   conftest's `made_once` instead; the docs examples and test_shapes run
   their own job queues only without xdist: under it, each test runs its
@@ -53,11 +53,6 @@ EXPECTED = os.path.join(HERE, "durations.json")
 UNKNOWN_SECONDS = 1.0
 ALONE = "alone"
 
-# Modules whose tests must share one worker: a module-scoped cluster, job
-# queue or reference run that each worker would otherwise start again.
-MODULE_UNITS = ("test_local_wrappers",)
-
-
 def expected_durations(path=EXPECTED):
     """{nodeid: seconds} of the last recorded run; {} if there is none."""
     try:
@@ -75,8 +70,6 @@ def unit_of(item, shared_keys):
         return ALONE
     if f"{module}::{item.name}" in shared_keys:
         return "shared_cluster"
-    if module in MODULE_UNITS:
-        return module
     return None
 
 

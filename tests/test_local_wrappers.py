@@ -20,7 +20,7 @@ import tensorflow as tf
 import keras_dist as kd
 from keras_dist.training import stateless
 from keras_dist.training.update import UpdateInfo, apply_with
-from procs import ASYNC_LEARNS, SHARED_TIMEOUT, SharedCluster, scenario_key
+from procs import ASYNC_LEARNS, SHARED_TIMEOUT
 
 SHAPES = [(3, 2), (2,)]
 STALENESS = [0, 3, 1, 7, 2]
@@ -209,27 +209,14 @@ class _no_warning:
 
 
 # ------------------------------------------------------------ a real cluster
-# One `keras-dist-run --workers 2 --ps 1` run for this module's cluster tests
-# (tests/procs.py SharedCluster), the "raise" part last.
-SCENARIOS = {
-    "test_local_wrappers::test_wrappers_in_local_steps_on_a_real_cluster": (
-        "ps_local_wrappers.py", "train"),
-    "test_local_wrappers::test_nonfinite_raise_with_local_steps_on_a_real_cluster": (
-        "ps_local_wrappers.py", "raise"),
-}
-
-
-@pytest.fixture(scope="module")
-def cluster(request, tmp_path_factory):
-    selected = {scenario_key(item) for item in request.session.items}
-    return SharedCluster(tmp_path_factory.mktemp("local_wrappers"),
-                         {key: value for key, value in SCENARIOS.items() if key in selected})
+# Both run in the session's shared cluster (`shared_cluster` in conftest.py:
+# tests/scripts/ps_local_wrappers.py's "train" and "raise" parts).
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(SHARED_TIMEOUT + 60)
-def test_wrappers_in_local_steps_on_a_real_cluster(request, cluster):
-    result, _ = cluster.result(request.node)
+def test_wrappers_in_local_steps_on_a_real_cluster(request, shared_cluster):
+    result, _ = shared_cluster.result(request.node)
     # A wrapper as the model's optimizer: one worker, one round of K=4
     # steps is Keras' own 4 steps of its inner optimizer.
     for name, check in result["one_round"].items():
@@ -253,10 +240,10 @@ def test_wrappers_in_local_steps_on_a_real_cluster(request, cluster):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(SHARED_TIMEOUT + 60)
-def test_nonfinite_raise_with_local_steps_on_a_real_cluster(request, cluster):
+def test_nonfinite_raise_with_local_steps_on_a_real_cluster(request, shared_cluster):
     """`nonfinite_updates="raise"` with local steps: keras_dist's own error,
     naming the epoch and the option, not TensorFlow's."""
-    result, _ = cluster.result(request.node)
+    result, _ = shared_cluster.result(request.node)
     assert result["error"] is not None
     assert result["error"].startswith("NonFiniteUpdateError: In epoch "), result["error"]
     assert "Graph execution error" not in result["error"]

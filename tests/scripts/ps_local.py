@@ -99,8 +99,7 @@ def train(outer, elastic=None):
     with strategy.scope():
         model = kd.AsyncModel.from_model(digits_model(keras.optimizers.SGD(0.05, momentum=0.9)))
     history = model.fit(X, Y, batch_size=32, epochs=6, steps_per_epoch=40 * K, verbose=0,
-                        local_steps=K, outer_optimizer=outer, elastic=elastic,
-                        validation_data=(X_TEST, Y_TEST))
+                        local_steps=K, outer_optimizer=outer, elastic=elastic)
     outer_state = {}
     if isinstance(outer, kd.optimizers.DelayedNesterov):
         outer = model.outer_optimizer  # the one trained (made again in the strategy's scope)
