@@ -7,13 +7,15 @@ argv: out_dir mode max_shards
   pooling, MLP) whose table and first kernel the partitioner splits.
   The chief writes out_dir/result.json with
   - "placement": each sharded model / optimizer variable's shard devices;
-  - "equal": one execution of K steps on one worker, sharded against the
-    same model unsharded on the same cluster and against Keras' own
-    `model.fit` on one device, for SGD, momentum, Adam (+ clipnorm), AdamW,
-    Lamb and three wrappers (DC-ASGD and Gap-Aware read the pulled
-    weights): largest weight / slot differences;
-  - "train": two workers asynchronously, sharded and unsharded: test
-    accuracy; and with local steps;
+  - "equal": one execution of K steps on one worker, sharded against
+    Keras' own `model.fit` on one device for each distinct update path of
+    training/sharded.py (slots: momentum; a clipped composite gradient:
+    Adam + clipnorm; weight decay: AdamW; a whole-variable rule: Lamb), and
+    against the same model unsharded on the same cluster for two wrappers
+    that read the pulled weights (DC-ASGD, Gap-Aware): largest weight /
+    slot differences;
+  - "train": two workers asynchronously, sharded: test accuracy; and with
+    local steps;
   - "backup": BackupAndRestore of a sharded model resumes (epochs run,
     restored weights' difference);
   and saves the trained sharded model (out_dir/sharded.keras,
@@ -63,7 +65,7 @@ if not isinstance(strategy, tf.distribute.ParameterServerStrategy):
 import keras  # noqa: E402
 
 K = 4
-EPOCHS = 8  # asynchronous runs: 5 gave 0.94-0.98 test accuracy between runs
+EPOCHS = 5  # asynchronous runs: 5 gave 0.94-0.98 test accuracy between runs (the bar: 0.85)
 ADAM = lambda: keras.optimizers.Adam(0.01)  # noqa: E731
 X, Y = data(4000, 0)
 X_TEST, Y_TEST = data(1000, 1)
@@ -97,10 +99,11 @@ def max_diff(a, b):
                for x, y in zip(a, b))
 
 
+# One per distinct update path of training/sharded.py (plain SGD, Adam and
+# DynSGD take paths these already take: zero slots, per-shard slots, a
+# scaled gradient).
 OPTIMIZERS = {
-    "sgd": lambda: keras.optimizers.SGD(0.5),
     "momentum": lambda: keras.optimizers.SGD(0.5, momentum=0.9),
-    "adam": lambda: keras.optimizers.Adam(0.01),
     "adam_clipnorm": lambda: keras.optimizers.Adam(0.01, clipnorm=0.02),
     # Weight decay and a non-elementwise rule: whole-variable updates.
     "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
@@ -108,9 +111,8 @@ OPTIMIZERS = {
     # Wrappers: DC-ASGD and Gap-Aware read the pulled weights.
     "dcasgd": lambda: kd.optimizers.DCASGD(keras.optimizers.SGD(0.5), lambda_=0.5),
     "gapaware": lambda: kd.optimizers.GapAware(keras.optimizers.SGD(0.5, momentum=0.9)),
-    "dynsgd": lambda: kd.optimizers.DynSGD(keras.optimizers.Adam(0.01)),
 }
-WRAPPERS = ("dcasgd", "gapaware", "dynsgd")
+WRAPPERS = ("dcasgd", "gapaware")
 
 
 def equal():
@@ -120,20 +122,23 @@ def equal():
         local = recommender(make())
         init = [w.numpy() for w in local.weights]
         runs = {}
-        for sharded in (True, False):
+        # Keras' own fit has no staleness to give the wrappers: they are
+        # compared with the same model unsharded on the cluster instead.
+        for sharded in (True, False) if name in WRAPPERS else (True,):
             model = remote(make, sharded, steps_per_execution=K)
             model.set_weights(init)
             model.fit(X[:32 * K], Y[:32 * K], batch_size=32, epochs=1, steps_per_epoch=K,
                       shuffle=False, verbose=0)
             runs[sharded] = model
         result = {
-            "sharded_vs_unsharded": max_diff(runs[True].weights, runs[False].weights),
-            "slots_sharded_vs_unsharded": max_diff(runs[True].optimizer.variables,
-                                                   runs[False].optimizer.variables),
             "iterations": int(runs[True].optimizer.iterations.numpy()),
             "sharded_variables": [v.path for v in runs[True].weights if kd.sharded.is_sharded(v)],
         }
-        if name not in WRAPPERS:  # Keras' own fit has no staleness to give them
+        if name in WRAPPERS:
+            result["sharded_vs_unsharded"] = max_diff(runs[True].weights, runs[False].weights)
+            result["slots_sharded_vs_unsharded"] = max_diff(runs[True].optimizer.variables,
+                                                            runs[False].optimizer.variables)
+        else:
             with kd.local_fit():  # the chief's own reference model
                 local.fit(X[:32 * K], Y[:32 * K], batch_size=32, epochs=1, shuffle=False,
                           verbose=0)
@@ -146,8 +151,7 @@ def equal():
 
 def train():
     results = {}
-    for label, sharded, local_steps in (("sharded", True, 1), ("unsharded", False, 1),
-                                        ("sharded_local_steps", True, 4)):
+    for label, sharded, local_steps in (("sharded", True, 1), ("sharded_local_steps", True, 4)):
         keras.utils.set_random_seed(2)
         model = remote(ADAM, sharded)
         history = model.fit(X, Y, batch_size=64, epochs=EPOCHS, verbose=0, local_steps=local_steps)
@@ -173,10 +177,10 @@ class Seen(keras.callbacks.Callback):
 def backup():
     backup_dir = os.path.join(OUT, "backup")
     first = remote(ADAM, True)
-    first.fit(X, Y, batch_size=64, epochs=2, verbose=0,
+    first.fit(X, Y, batch_size=64, epochs=1, verbose=0,
               callbacks=[kd.callbacks.BackupAndRestore(backup_dir, delete_checkpoint=False)])
     second, seen = remote(ADAM, True), Seen()
-    history = second.fit(X, Y, batch_size=64, epochs=3, verbose=0,
+    history = second.fit(X, Y, batch_size=64, epochs=2, verbose=0,
                          callbacks=[kd.callbacks.BackupAndRestore(backup_dir), seen])
     return {"epochs_run": len(history.history["loss"]),
             "restored_difference": max_diff(seen.weights, first.weights)}
