@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import keras_dist as kd
-from procs import ASYNC_LEARNS, REPO
+from procs import ASYNC_LEARNS, REPO, check_counts
 
 # `alone`: what these assert is timed (epochs while a worker is stopped
 # against epochs before; no epoch waited for it), except the duty cycles,
@@ -90,21 +90,6 @@ class Cluster:
         assert self.proc.returncode == 0, self.output[-6000:]
         with open(self.tmp_path / "result.json") as f:
             return json.load(f)
-
-
-def check_counts(result, duplicates=4, local=1):
-    """Every step scheduled finished or was lost, and the parameter version
-    counts the updates applied (one per step, or per round of `local`
-    steps; TF reruns a step at least once after a worker failure: a few
-    may be applied twice, never fewer)."""
-    counts = result["step_counts"]
-    assert all(value % local == 0 for value in counts.values()), counts
-    assert counts["scheduled"] == counts["finished"] + counts["lost"], counts
-    assert counts["scheduled"] - counts["speculative"] <= result["scheduled"], counts
-    assert counts["scheduled"] >= result["scheduled"] - counts["lost"], counts
-    updates = result["version"] - counts["finished"] // local
-    assert 0 <= updates <= duplicates + counts["lost"] // local, (result["version"], counts)
-    return counts
 
 
 def epoch_seconds(result):
@@ -208,12 +193,13 @@ def test_a_worker_stopped_for_good_is_declared_lost_and_its_step_runs_elsewhere(
     assert len(times) >= 5 and time.monotonic() - stopped_at < 200
 
 
-@pytest.mark.parametrize("per_call, local", [(1, 1), (10, 1), (1, 8)],
-                         ids=["spe1", "spe10", "local8"])
+# (One step per call: tests/test_stragglers.py's asynchronous throttled
+# worker, 60 ms of every 100 ms, checks the same counts.)
+@pytest.mark.parametrize("per_call, local", [(10, 1), (1, 8)], ids=["spe10", "local8"])
 def test_short_stops_duty_cycle(tmp_path, per_call, local):
     """Worker 1 stopped 75 ms of every 100 ms (a CPU quota seen from
-    outside) for the whole run."""
-    epochs, steps = 6, 160
+    outside) after the first epoch, for the rest of the run."""
+    epochs, steps = 3, 160
     cluster = Cluster(tmp_path, epochs, steps, per_call, local)
     cluster.wait_for_epochs(1)
     with kd.testing.throttle(cluster.pid("worker:1"), period=0.1, stopped=0.75):

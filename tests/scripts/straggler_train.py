@@ -125,6 +125,9 @@ def main(out_dir, epochs, window, threshold):
             "totals": metrics.totals,
             "counts": counter.counts,
             "version": getattr(history.model, "version", None),
+            # Asynchronous: every step accounted for (procs.check_counts).
+            "step_counts": getattr(history.model, "step_counts", None),
+            "scheduled": len(history.history["loss"]) * (len(x) // BATCH),
         }, f)
 
 
