@@ -4,20 +4,17 @@ The tests run `keras-dist-run --workers 2 --ps 1` (chief, 2 workers, 1 ps:
 four processes on loopback) with a chief script of tests/scripts/ (e.g.
 ps_train.py, which trains the digits MLP with keras_dist.fit) that writes
 what the chief saw. Starting a cluster costs more than most of these
-scripts take, so most tests here take their results from the session's
+scripts take, so the tests here take their results from the session's
 shared cluster (`shared_cluster` in conftest.py: their scripts run one
-after another in ONE cluster). The killed-worker test needs a cluster of
-its own.
+after another in ONE cluster). Workers killed and restarted:
+tests/test_preemption.py (under keras-dist-run) and tests/test_ray.py.
 """
 
-import json
 import re
-import subprocess
-import sys
 
 import pytest
 
-from procs import ASYNC_LEARNS, REPO, SHARED_TIMEOUT
+from procs import ASYNC_LEARNS, SHARED_TIMEOUT
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(SHARED_TIMEOUT + 60)]
 
@@ -70,9 +67,9 @@ def test_async_digits_training(request, shared_cluster, steps_per_execution):
 @pytest.mark.compat("wrappers")
 def test_every_staleness_aware_wrapper_trains_asynchronously(request, shared_cluster):
     results, _ = shared_cluster.result(request.node)
-    assert sorted(results) == ["DCASGD", "DCASGD-adaptive", "DelayAdaptive", "DynSGD",
-                               "GapAware", "GapAware-momentum", "Ringmaster", "StalenessLimit",
-                               "StalenessScaled"]
+    # (DCASGD and plain GapAware: under mixed precision, the next test.)
+    assert sorted(results) == ["DelayAdaptive", "DynSGD", "GapAware-momentum", "Ringmaster",
+                               "StalenessLimit"]
     for name, result in results.items():
         # Learns (see procs.ASYNC_LEARNS: DynSGD's 8 short epochs ended at
         # 0.894 once on TF 2.16).
@@ -82,7 +79,6 @@ def test_every_staleness_aware_wrapper_trains_asynchronously(request, shared_clu
     # Each wrapper reports what it did; DynSGD's mean scale is 1 / (tau + 1) < 1
     # exactly when some update was stale.
     assert all(0 < s <= 1 for s in logs["DynSGD"]["dyn_sgd_scale_mean"])
-    assert all(g >= 1 for g in logs["GapAware"]["gap_aware_scale_mean"])
     assert all(g >= 1 for g in logs["GapAware-momentum"]["gap_aware_scale_mean"])
     # max_staleness=0 drops every stale update, and only those.
     limit = logs["StalenessLimit"]
@@ -109,6 +105,7 @@ def test_wrappers_under_mixed_precision_train_asynchronously(request, shared_clu
     assert results["float16-DCASGD"]["optimizer_chain"] == [
         "LossScaleOptimizer", "DCASGD", "SGD"]
     assert results["bfloat16-GapAware"]["optimizer_chain"] == ["GapAware", "SGD"]
+    assert all(g >= 1 for g in results["bfloat16-GapAware"]["history"]["gap_aware_scale_mean"])
     for name, result in results.items():
         # Learns (see procs.ASYNC_LEARNS: DynSGD's 8 short epochs ended at
         # 0.894 once on TF 2.16).
@@ -141,52 +138,6 @@ def test_nonfinite_updates_are_skipped_and_counted_or_raise(request, shared_clus
     assert re.match(r"NaN or Inf loss encountered at batch \d+\. Loss value: nan\.",
                     result["terminate_on_nan"]), result["terminate_on_nan"]
     assert result["finite_after_terminate"]
-
-
-def test_a_killed_worker_is_restarted_and_training_completes(tmp_path):
-    """SIGKILL worker 1 in epoch 3: the coordinator re-runs its lost steps on
-    worker 0, the launcher restarts worker 1, and it contributes again."""
-    import os
-    import re
-    import signal
-
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "keras_dist.cluster.launch", "--workers", "2", "--ps", "1", "--",
-         sys.executable, "tests/scripts/ps_long.py", str(tmp_path), "150"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    output, killed = [], None
-    try:
-        for line in launcher.stdout:
-            output.append(line)
-            if killed is None and "[chief:0] Epoch 3/" in line:
-                killed = int(re.findall(r"started worker:1 \(pid (\d+)\)", "".join(output))[-1])
-                os.killpg(killed, signal.SIGKILL)
-            # Once the restarted worker has done an update, two more epochs.
-            back = re.search(r"\[chief:0\] updates after epoch (\d+): .*\"1\": [1-9]", line)
-            if killed is not None and back and int(back.group(1)) > 3:
-                (tmp_path / "stop").touch()
-        launcher.wait(240)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-    text = "".join(output)
-    assert killed is not None and launcher.returncode == 0, text[-3000:]
-    assert "worker:1 exited with code -9; restarting it (1/3)" in text
-    with open(tmp_path / "result.json") as f:
-        result = json.load(f)
-    # TF retries lost steps at least once: count, don't assume. Here nothing
-    # was applied twice, and nothing lost.
-    duplicates = result["version"] - result["scheduled"]
-    assert 0 <= duplicates <= 4, result["version"]
-    assert result["test_accuracy"] >= ASYNC_LEARNS
-    # The restarted worker is back: it does updates in some epoch after the
-    # kill (epoch 3), not necessarily in the last one (CI on a slow host saw
-    # none from it in the last epoch; whether it had worked before is unknown).
-    # 150 epochs: with 70, faster updates left a slow host's restarted worker
-    # (a new process importing TF, then TF's reconnection) too little time:
-    # now at most 150, and the chief stops soon after it has seen one.
-    after_kill = result["updates_per_epoch"][3:]
-    assert any(epoch.get("1", 0) > 0 for epoch in after_kill), after_kill
 
 
 def test_custom_train_step_runs_on_parameter_servers(request, shared_cluster):

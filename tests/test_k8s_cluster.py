@@ -18,10 +18,10 @@ manifest: every index starts at once; a failed pod is replaced as the
 `backoffLimitPerIndex`); a preempted pod gets the DisruptionTarget
 condition, SIGTERM, and SIGKILL after `terminationGracePeriodSeconds`; the
 Job is complete when the `successPolicy` indexes (else all) have succeeded,
-and the pods still running are then stopped. Runs: asynchronous training
-and MultiWorkerMirrored, then a preempted chief, a lost parameter server and
-a lost MultiWorkerMirrored worker, each restarted by index, not as a whole
-job as keras-dist-run does.
+and the pods still running are then stopped. Runs: a preempted chief, a lost
+parameter server and a lost MultiWorkerMirrored worker, each restarted by
+index, not as a whole job as keras-dist-run does; in the same runs, each
+pod's role from its index, its DNS name, and the Job's completion.
 
 Needs root and iproute2 (CI has both); skipped elsewhere with the reason.
 """
@@ -33,12 +33,13 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 import yaml
 
 import netns
-from procs import ASYNC_LEARNS, REPO, kill_groups
+import test_preemption as preemption
+from procs import REPO, kill_groups
+from test_preemption import multiworker_reference  # noqa: F401 (a fixture)
 
 from keras_dist import recipes
 
@@ -229,57 +230,6 @@ def _run_job(tmp_path, command, timeout, restarts=False, tick=lambda job: None,
     return job
 
 
-@needs_hosts
-def test_async_job_pods_train_with_the_roles_their_indexes_give(tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    job = _run_job(tmp_path, [sys.executable, os.path.join(SCRIPTS, "ps_train.py"), str(out)],
-                   360, workers=2, ps=1)
-    # Index 0 is the chief: its success completed the Job, and the pods
-    # still serving (ps 0, workers 0 and 1) were then stopped.
-    assert job.codes[0] == 0 and job.events == []
-    assert "keras_dist: using parameter_server strategy" in job.log(0)
-    # Each pod found its role from its index and served under its DNS name.
-    assert "keras_dist: ps:0 serving at digits-1.digits:2222" in job.log(1)
-    assert "keras_dist: worker:0 serving at digits-2.digits:2222" in job.log(2)
-    assert "keras_dist: worker:1 serving at digits-3.digits:2222" in job.log(3)
-    with open(out / "result.json") as f:
-        result = json.load(f)
-    # As tests/test_async.py checks the launcher's run: every scheduled
-    # update applied once, by both workers, and the model learns.
-    assert result["version"] == result["iterations"] == result["scheduled_steps"]
-    per_worker = result["updates_per_worker"]
-    assert sorted(per_worker) == ["0", "1"] and all(v > 0 for v in per_worker.values())
-    assert sum(per_worker.values()) == result["scheduled_steps"] // 4
-    assert result["ring"] == {"taken": result["scheduled_steps"], "lost": 0}
-    assert result["last_epoch_examples_counted"] == (result["scheduled_steps"] // 4) * 32
-    assert result["test_accuracy"] >= ASYNC_LEARNS
-    assert result["reloaded_predictions_match"]
-
-
-@needs_hosts
-def test_multiworker_job_pods_train_in_sync_and_every_index_succeeds(tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    job = _run_job(tmp_path, [sys.executable, os.path.join(SCRIPTS, "mwms_worker.py"),
-                              str(out)], 300, workers=2)
-    assert job.codes == {0: 0, 1: 0}  # no successPolicy: every index must succeed
-    results = {}
-    for index in range(2):
-        with open(out / f"worker{index}.json") as f:
-            results[index] = json.load(f)
-        weights = np.load(out / f"worker{index}.npz")
-        results[index]["weights"] = [weights[f"arr_{k}"] for k in range(len(weights.files))]
-    for info in results.values():
-        assert info["replicas"] == 2
-        assert info["history"]["loss"][-1] < 0.5 * info["history"]["loss"][0]
-        assert info["test_accuracy"] >= 0.9, info["test_accuracy"]
-    # One model, trained in step on both pods.
-    for a, b in zip(results[0]["weights"], results[1]["weights"]):
-        np.testing.assert_array_equal(a, b)
-    assert results[0]["history"] == results[1]["history"]
-
-
 EPOCHS, STEPS = 3, 23  # tests/scripts/preempt_train.py: digits in batches of 64
 
 
@@ -332,7 +282,20 @@ def test_a_preempted_chief_pod_is_replaced_and_resumes_with_the_serving_pods(tmp
                    workers=2, ps=1)
     assert job.events == [(0, 75, "Ignore")], job.events  # backed up, not counted
     assert job.started == {0: 2, 1: 1, 2: 1, 3: 1}  # the others served on
+    # Index 0 is the chief: its success completed the Job (successPolicy),
+    # and the pods still serving were then stopped.
     assert job.codes[0] == 0
+    # Each pod found its role from its index (the chief's pod both times)
+    # and the others served under their DNS names.
+    roles = {0: "chief:0", 1: "ps:0", 2: "worker:0", 3: "worker:1"}
+    for index, role in roles.items():
+        for pod in range(1, job.started[index] + 1):
+            assert ("keras_dist: using parameter_server strategy (cluster of 1 chief, 2 "
+                    f"workers, 1 ps from Kubernetes; this task {role})") in job.log(index, pod), \
+                job.log(index, pod)[-3000:]
+        if index:
+            assert f"keras_dist: {role} serving at digits-{index}.digits:2222" in \
+                job.log(index), job.log(index)[-3000:]
     with open(out / "result.json") as f:
         resumed = json.load(f)
     # It resumed where it was preempted (after epoch 1, step 5), from the
@@ -384,13 +347,16 @@ def test_a_lost_parameter_server_pod_is_replaced_and_so_is_the_chief_which_resum
 
 
 @needs_hosts
-def test_a_lost_multiworker_pod_fails_its_peer_and_both_are_replaced_and_resume(tmp_path):
+def test_a_lost_multiworker_pod_fails_its_peer_and_both_are_replaced_and_resume(
+        tmp_path, multiworker_reference):
     """Synchronous training: worker 1's pod dies without warning. Worker 0
     waits in an all-reduce with it until the replacement pod connects, then
     fails ("tried to connect with a different incarnation"); Kubernetes
     replaces it too (each failure counted against its own index), and the
     new pair resumes from the backup: the whole-job restart keras-dist-run
-    does, made of per-index restarts."""
+    does, made of per-index restarts. Both pods of each pair train one
+    model in step: the Job ends with the weights, optimizer state and
+    History of the same job run uninterrupted under keras-dist-run."""
     out, command = _backed_up_training(tmp_path)
 
     def kill_worker_1_in_epoch_1(job):
@@ -400,7 +366,15 @@ def test_a_lost_multiworker_pod_fails_its_peer_and_both_are_replaced_and_resume(
     job = _run_job(tmp_path, command, 360, restarts=True, tick=kill_worker_1_in_epoch_1,
                    workers=2)
     assert job.events[1:] == [(1, 137, "Count"), (0, 1, "Count")], job.events
+    # No successPolicy: the Job completed once every index succeeded.
     assert job.started == {0: 2, 1: 2} and job.codes == {0: 0, 1: 0}, job.started
+    # Each pod, each time, a worker of one two-worker MultiWorkerMirrored
+    # cluster, by its index.
+    for index in (0, 1):
+        for pod in (1, 2):
+            assert ("keras_dist: using multi_worker strategy (cluster of 2 workers from "
+                    f"Kubernetes; this task worker:{index})") in job.log(index, pod), \
+                job.log(index, pod)[-3000:]
     with open(out / "result.json") as f:
         resumed = json.load(f)
     # A backup from before the kill (after epoch 1, step 5: one every 10
@@ -411,3 +385,6 @@ def test_a_lost_multiworker_pod_fails_its_peer_and_both_are_replaced_and_resume(
     assert resumed["version"] == EPOCHS * STEPS, resumed["version"]
     loss = _losses(resumed)
     assert len(loss) == EPOCHS and loss[-1] < loss[0]
+    # One model, trained in step on both pods: what the uninterrupted job
+    # ends with, exactly.
+    preemption.assert_same_run(preemption.result(out), multiworker_reference)

@@ -2,6 +2,7 @@
 
 import io
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -94,6 +95,8 @@ def test_prefixes_output_and_returns_the_leaders_exit_code(tmp_path):
         "sys.exit(3)\n")
     proc = launch(["--workers", "2", "--", sys.executable, str(script)])
     assert proc.returncode == 3
+    assert "[keras-dist-run] worker:0 exited with code 3; stopping the cluster\n" in \
+        proc.stdout, proc.stdout
     assert "[worker:0] hello from worker 0" in proc.stdout
     assert "[worker:1] hello from worker 1" in proc.stdout
 
@@ -315,3 +318,118 @@ def test_a_worker_failing_with_its_own_error_under_ps_stops_the_job_once(tmp_pat
             "the task's own: a restart would fail the same way)") in out, out
     assert "restarting" not in out, out
     assert time.monotonic() - start < 60
+
+
+def _start_logged(args, log_path):
+    """Starts keras-dist-run with `args`, its output in `log_path`."""
+    return subprocess.Popen(LAUNCH + args, cwd=REPO, stdout=open(log_path, "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait_for_text(proc, log_path, text, timeout=60):
+    deadline = time.monotonic() + timeout
+    while text not in log_path.read_text():
+        assert proc.poll() is None, f"ended with {proc.returncode}:\n{log_path.read_text()}"
+        assert time.monotonic() < deadline, f"{text!r} not seen:\n{log_path.read_text()}"
+        time.sleep(0.05)
+
+
+@pytest.mark.multiprocess
+def test_a_parameter_server_killed_from_outside_stops_the_cluster_at_once_with_137(tmp_path):
+    """SIGKILL to the ps (its machine is lost) under --max-restarts 0: the
+    launcher names the ps, exits with the shell's 128 + 9 at once and leaves
+    no process behind. The chief, which watches the ps's port, may have
+    failed by then with an error of its own, as TensorFlow's chief does
+    (UnavailableError): the ps still counts as what ended the job. The
+    tasks import no TensorFlow. (With restarts the job resumes from its
+    backup: test_preemption's parameter-server job SIGKILLed three times.)"""
+    marker = f"kd-marker-{os.getpid()}-ps-killed"
+    script = tmp_path / "task.py"
+    script.write_text(
+        "import json, os, socket, sys, time\n"
+        "config = json.loads(os.environ['TF_CONFIG'])\n"
+        "task = config['task']\n"
+        "host, _, port = config['cluster']['ps'][0].rpartition(':')\n"
+        "if task['type'] == 'ps':\n"
+        "    server = socket.create_server((host, int(port)))\n"
+        "    while True:\n"
+        "        server.accept()[0].close()\n"
+        "if task['type'] == 'chief':\n"
+        "    seen = False\n"
+        "    while True:\n"
+        "        try:\n"
+        "            socket.create_connection((host, int(port)), timeout=1).close()\n"
+        "        except OSError as error:\n"
+        "            if seen:\n"
+        "                sys.exit(f'UnavailableError: the ps is gone ({error})')\n"
+        "        else:\n"
+        "            if not seen:\n"
+        "                print('the ps answers', flush=True)\n"
+        "            seen = True\n"
+        "        time.sleep(0.05)\n"
+        "time.sleep(600)\n")
+    log_path = tmp_path / "launcher.txt"
+    launcher = _start_logged(["--workers", "1", "--ps", "1", "--max-restarts", "0", "--",
+                              sys.executable, str(script), marker], log_path)
+    try:
+        _wait_for_text(launcher, log_path, "[chief:0] the ps answers")
+        ps_pid = int(re.search(r"started ps:0 \(pid (\d+)\)", log_path.read_text()).group(1))
+        os.kill(ps_pid, signal.SIGKILL)
+        killed = time.monotonic()
+        code = launcher.wait(60)
+        took = time.monotonic() - killed
+        out = log_path.read_text()
+        assert code == 128 + signal.SIGKILL, out
+        assert "[keras-dist-run] ps:0 exited with code -9; stopping the cluster\n" in out, out
+        assert "restarting" not in out, out
+        assert took < 15, took  # no wait on the dead ps, nor a grace period's worth
+        time.sleep(0.5)
+        assert pids_with_marker(marker) == [], process_states(marker)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+        for pid in pids_with_marker(marker):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.multiprocess
+def test_the_leader_failing_with_its_own_code_stops_its_live_peers_at_once(tmp_path):
+    """Without ps, worker 0 leads: it crashes (exit 3) while worker 1 still
+    runs (a MultiWorkerMirrored peer waiting in an all-reduce). The launcher
+    does not restart the job for an error of the task's own, stops worker 1
+    at once and exits 3, and no process is left."""
+    marker = f"kd-marker-{os.getpid()}-leader-fails"
+    script = tmp_path / "task.py"
+    up = tmp_path / "worker1-up"
+    script.write_text(
+        "import json, os, sys, time\n"
+        "task = json.loads(os.environ['TF_CONFIG'])['task']\n"
+        f"up = {str(up)!r}\n"
+        "if task['index'] == 1:\n"
+        "    open(up, 'w').close()\n"
+        "    time.sleep(600)\n"
+        "deadline = time.monotonic() + 60\n"
+        "while not os.path.exists(up) and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)\n"
+        "sys.exit(3)\n")
+    log_path = tmp_path / "launcher.txt"
+    began = time.monotonic()
+    launcher = _start_logged(["--workers", "2", "--", sys.executable, str(script), marker],
+                             log_path)
+    try:
+        code = launcher.wait(60)
+        out = log_path.read_text()
+        assert code == 3, out
+        assert up.exists(), out  # worker 1 was running when worker 0 failed
+        assert "[keras-dist-run] worker:0 exited with code 3; stopping the cluster\n" in out, out
+        assert "restarting" not in out, out
+        assert time.monotonic() - began < 30
+        time.sleep(0.5)
+        assert pids_with_marker(marker) == [], process_states(marker)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+        for pid in pids_with_marker(marker):
+            os.kill(pid, signal.SIGKILL)

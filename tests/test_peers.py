@@ -134,7 +134,7 @@ def test_keras_own_fit_is_refused_on_every_task_of_a_parameter_server_job(tmp_pa
     Keras' fit (the chief got TensorFlow's raw "create_per_worker_dataset"
     error; the worker and ps tasks trained on their own)."""
     script = _script(tmp_path, "plain_fit.py", PLAIN_FIT)
-    command = [sys.executable, "-m", "keras_dist.cluster.launch", "--workers", "2", "--ps", "1",
+    command = [sys.executable, "-m", "keras_dist.cluster.launch", "--workers", "1", "--ps", "1",
                "--max-restarts", "0", "--", sys.executable, script]
     if mode == "resolve":
         command.append("resolve")

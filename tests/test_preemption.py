@@ -185,28 +185,6 @@ def test_sigterm_mid_epoch_saves_exits_75_and_the_rerun_matches_an_uninterrupted
 
 
 @pytest.mark.multiprocess
-def test_multiworker_job_sigtermed_on_every_task_restarts_and_matches_an_uninterrupted_job(
-        tmp_path, multiworker_reference):
-    run = tmp_path / "preempted"
-    proc = launch(run, ps=0)
-    try:
-        wait_for(run, 1, 5, proc)
-        # Like a scheduler taking the nodes back: every task at once.
-        for pid in pids(proc, ("worker",), 2):
-            os.kill(pid, signal.SIGTERM)
-    finally:
-        code = finish(proc)
-    text = log(proc)
-    assert code == 0, text[-3000:]
-    assert re.search(r"worker:\d was preempted \(saved a backup, exit code 75\); restarting "
-                     r"the job \(1/2\), resuming from .*backup-000001-0000000\d\d", text), \
-        text[-3000:]
-    resumed = result(run)
-    assert resumed["restored_epoch"] == 1 and resumed["restored_step"] >= 5
-    assert_same_run(resumed, multiworker_reference)
-
-
-@pytest.mark.multiprocess
 def test_parameter_server_job_sigtermed_backs_up_exits_75_and_the_rerun_counts_every_update(
         tmp_path):
     """SIGTERM to `keras-dist-run --workers 2 --ps 1`, which passes it to
@@ -257,80 +235,164 @@ def latest_pids(proc, roles):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("ps", [0, 1], ids=["multiworker", "ps"])
-def test_random_tasks_sigkilled_three_times_the_job_finishes_by_itself(tmp_path, ps, request):
-    """SIGKILL (no warning, no save) a random task at three points of the
-    run under --max-restarts 10: keras-dist-run restarts the job from the
-    newest backup (save_freq 10) each time -- under parameter servers a
-    killed worker alone -- and the job ends by itself. Synchronous: the
-    weights of an uninterrupted job, exactly. Asynchronous: every update
-    counted."""
-    rng = np.random.default_rng(ps)
-    roles = ("chief", "ps", "worker") if ps else ("worker",)
-    # (Only the synchronous case compares with an uninterrupted job.)
-    reference = None if ps else request.getfixturevalue("multiworker_reference")
-    run = tmp_path / "killed"
-    proc = launch(run, ps=ps, max_restarts=10)
-    killed = []
+def test_multiworker_job_sigkilled_then_sigtermed_restarts_and_matches_an_uninterrupted_job(
+        tmp_path, multiworker_reference):
+    """`keras-dist-run --workers 2 --max-restarts 10` (MultiWorkerMirrored):
+    worker 1 SIGKILLed (no warning, no save) in epoch 1, then, in epoch 2 of
+    the restarted job, SIGTERM to every task at once, as a scheduler taking
+    the nodes back. The launcher restarts the job each time: first from the
+    newest periodic backup (save_freq 10), then from the one the workers
+    wrote on SIGTERM at the step they agreed on. The job ends by itself with
+    the weights, optimizer state and History of an uninterrupted job."""
+    run = tmp_path / "preempted"
+    proc = launch(run, ps=0, max_restarts=10)
     try:
-        for point in [(0, 15), (1, 10), (2, 5)]:
+        wait_for(run, 0, 15, proc)
+        os.kill(latest_pids(proc, ("worker",))["worker:1"], signal.SIGKILL)
+        wait_for(run, 1, 5, proc)  # the restarted job, in epoch 2 (1-based)
+        for pid in latest_pids(proc, ("worker",)).values():
+            os.kill(pid, signal.SIGTERM)
+    finally:
+        code = finish(proc)
+    text = log(proc)
+    assert code == 0, text[-3000:]
+    restarts = re.findall(r"\[keras-dist-run\] (\w+:\d) (.*); restarting the job \((\d+)/10\), "
+                          r"resuming from \S*/backup-(\d{6})-(\d{9})\n", text)
+    assert len(restarts) == 2, text[-3000:]
+    # The kill: from the newest periodic backup (SIGKILL after step 15: the
+    # one of step 10, or of step 20 if training got there before the signal).
+    assert restarts[0][:4] == ("worker:1", "was killed by SIGKILL", "1", "000000"), restarts
+    assert restarts[0][4] in ("000000010", "000000020"), restarts
+    # The preemption: from the backup the workers wrote at the step after
+    # the signal (whichever worker the launcher saw exit first).
+    task, why, count, epoch, step = restarts[1]
+    assert task in ("worker:0", "worker:1"), restarts
+    assert (why, count, epoch) == ("was preempted (saved a backup, exit code 75)", "2",
+                                   "000001"), restarts
+    resumed = result(run)
+    assert (resumed["restored_epoch"], resumed["restored_step"]) == (1, int(step)), restarts
+    assert resumed["restored_step"] >= 5
+    assert_same_run(resumed, multiworker_reference)
+
+
+@pytest.mark.multiprocess
+def test_ps_then_each_worker_sigkilled_under_parameter_servers_the_job_finishes_by_itself(
+        tmp_path):
+    """`keras-dist-run --workers 2 --ps 1 --max-restarts 10`: SIGKILL (no
+    warning, no save) to the ps in epoch 1, to worker 0 in epoch 2 and to
+    worker 1 in epoch 3. The killed ps restarts the job, which resumes from
+    the newest backup (save_freq 10); a killed worker is restarted alone
+    while training goes on (TensorFlow reruns its steps on the other
+    worker). The job ends by itself, every update counted, and it learned."""
+    run = tmp_path / "killed"
+    proc = launch(run, ps=1, max_restarts=10)
+    try:
+        for point, task in [((0, 18), "ps:0"), ((1, 10), "worker:0"), ((2, 5), "worker:1")]:
             wait_for(run, *point, proc)
-            task, pid = sorted(latest_pids(proc, roles).items())[
-                rng.integers(len(latest_pids(proc, roles)))]
-            os.kill(pid, signal.SIGKILL)
-            killed.append(task)
+            os.kill(latest_pids(proc, ("ps", "worker"))[task], signal.SIGKILL)
     finally:
         code = finish(proc, timeout=300)
     text = log(proc)
-    assert code == 0, (killed, text[-3000:])
+    assert code == 0, text[-3000:]
+    # The ps: the whole job restarted, once, from the newest backup ...
+    restarts = re.findall(r"\[keras-dist-run\] (\w+:\d) (.*); restarting the job \((\d+)/10\), "
+                          r"resuming from \S*/backup-(\d{6})-(\d{9})\n", text)
+    assert [r[:3] for r in restarts] == [("ps:0", "was killed by SIGKILL", "1")], text[-3000:]
+    # ... each worker alone, once.
+    for task in ("worker:0", "worker:1"):
+        assert f"[keras-dist-run] {task} exited with code -9; restarting it (1/10)\n" in text, \
+            text[-3000:]
+    assert text.count("; restarting the job (") == 1, text[-3000:]
+    assert text.count("; restarting it (") == 2, text[-3000:]
     resumed = result(run)
-    restarts = re.findall(r"(\w+:\d) was killed by SIGKILL; restarting the job \((\d+)/10\)",
-                          text)
-    if ps:
-        # A killed worker is restarted alone; the chief or the ps: the job.
-        alone = [t for t in killed if t.startswith("worker")]
-        assert len(restarts) == len(killed) - len(alone), (killed, restarts)
-        for task in alone:
-            assert f"{task} exited with code -9; restarting it" in text, text[-3000:]
-        # At least once: TF reruns a step whose worker died after it applied
-        # its update; a backup is a snapshot taken while updates go on.
-        assert 0 <= resumed["version"] - EPOCHS * STEPS <= 4 * len(killed), \
-            (resumed["version"], killed)
-    else:
-        assert [t for t, _ in restarts] == killed, (killed, restarts)
-        assert_same_run(resumed, reference)
+    # The job after the restart resumed from that backup, one from before
+    # the kill (after step 18; one every 10 updates).
+    epoch, step = int(restarts[0][3]), int(restarts[0][4])
+    assert (resumed["restored_epoch"], resumed["restored_step"]) == (epoch, step), restarts
+    assert epoch * STEPS + step >= 10, restarts
+    # At least once: TF reruns a step whose worker died after it applied its
+    # update; a backup is a snapshot taken while updates go on.
+    assert 0 <= resumed["version"] - EPOCHS * STEPS <= 12, resumed["version"]
     history = full_history(resumed)
-    assert len(history["loss"]) == EPOCHS
+    assert len(history["loss"]) == EPOCHS and history["loss"][-1] < history["loss"][0], history
+
+
+def _writes(backup):
+    """The temporary directories of the backups being written in `backup`."""
+    try:
+        return {n for n in os.listdir(backup) if n.startswith(".writing-")}
+    except FileNotFoundError:
+        return set()
+
+
+def _stopped(pid):
+    """Whether every thread of process `pid` is stopped (SIGSTOP)."""
+    for thread in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{thread}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] not in ("T", "t"):
+                    return False
+        except OSError:  # a thread that just ended
+            pass
+    return True
+
+
+def _stop_mid_write(proc, backup, deadline):
+    """Stops `proc`'s process group with SIGSTOP at a moment it is writing
+    a backup (the write's temporary directory is there, and still is once
+    every thread has stopped); returns that directory's name."""
+    stale = _writes(backup)  # left by an earlier process
+    while time.monotonic() < deadline:
+        if _writes(backup) - stale:
+            os.killpg(proc.pid, signal.SIGSTOP)
+            stop_by = time.monotonic() + 30  # a thread in fsync stops once it returns
+            while not _stopped(proc.pid):
+                assert time.monotonic() < stop_by, "SIGSTOP did not stop the process"
+                time.sleep(0.001)
+            writing = _writes(backup) - stale
+            if writing:
+                return writing.pop()
+            os.killpg(proc.pid, signal.SIGCONT)  # it had just finished: the next one
+        assert proc.poll() is None, f"ended early with {proc.returncode}"
+        time.sleep(0.001)
+    raise AssertionError("no backup write seen in progress")
 
 
 @pytest.mark.multiprocess
 def test_sigkill_during_backup_writes_leaves_a_whole_backup_in_force(
         tmp_path, one_device_reference):
-    """A backup after every step (much of the time is spent writing), the
-    process SIGKILLed at random moments four times: the backup in force is
-    always whole (no damaged-file warning) and the run finished from it
-    equals an uninterrupted one."""
+    """A backup after every step (much of the time is spent writing); the
+    process is SIGKILLed twice: first in the middle of a write (seen from
+    outside: the write's temporary directory is there while the process is
+    stopped), then at a random moment. Each time the backup in force is
+    whole (no damaged-file warning), the torn write stays out of force, and
+    the run finished from the last one equals an uninterrupted one."""
     from keras_dist.callbacks import BackupAndRestore
 
+    backup = tmp_path / "backup"
     rng = np.random.default_rng(7)
-    torn = 0
-    for _ in range(4):
+    for mid_write in (True, False):
         before = progress(tmp_path)
         proc = train(tmp_path, save_freq=1)
         try:
             deadline = time.monotonic() + 60
-            while progress(tmp_path) <= before and time.monotonic() < deadline:
+            while (progress(tmp_path) <= before or not (backup / "latest.json").exists()) \
+                    and time.monotonic() < deadline:
                 time.sleep(0.01)
-            time.sleep(rng.uniform(0.1, 0.6))
+            assert progress(tmp_path) > before and (backup / "latest.json").exists()
+            if mid_write:
+                torn = _stop_mid_write(proc, backup, deadline)
+            else:
+                time.sleep(rng.uniform(0.1, 0.6))
             os.killpg(proc.pid, signal.SIGKILL)
         finally:
             finish(proc, 30)
-        torn += any(n.startswith(".writing-") for n in os.listdir(tmp_path / "backup"))
+        if mid_write:
+            assert torn in _writes(backup), os.listdir(backup)  # it died mid-write
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # a damaged backup in force would warn
-            latest = BackupAndRestore(tmp_path / "backup").latest()
+            latest = BackupAndRestore(backup).latest()
         assert latest is not None
-    print(f"{torn} of 4 kills left a backup half-written")
     assert finish(train(tmp_path, save_freq=1)) == 0
     assert_same_run(result(tmp_path), one_device_reference)
 
