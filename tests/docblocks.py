@@ -40,7 +40,11 @@ LANGUAGES = {
 # Directive -> whether it takes an argument.
 DIRECTIVES = {"skip": True, "file": True, "cluster": True, "continue": False,
               "raises": True, "expect": True, "shells": False,
-              "complete-script": False}
+              "complete-script": False, "covered": True, "max-epochs": True}
+# `covered: tests/FILE.py::TEST[ID] REASON`: the test that runs what the block
+# shows (ID: a parametrization, only for tests/test_docs_examples.py's own).
+COVERED = re.compile(r"^(?P<file>tests/[\w/]+\.py)::(?P<test>test_\w+)"
+                     r"(?:\[(?P<id>[^\]\s]+)\])?\s+(?P<reason>\S.*)$")
 # What the last sentence of the prose above a `continue` block must say (e.g.
 # "*Continues the previous block.*"): the reader cannot see the marker.
 CONTINUES = re.compile(r"\bcontinu(e|es|ed|ing)\b", re.IGNORECASE)
@@ -79,6 +83,20 @@ class Block:
     def markers_of(self, directive):
         return [argument for name, argument in self.markers if name == directive]
 
+    @property
+    def excluded(self):
+        """Whether the block is not run here: `skip`, or `covered` by a test."""
+        return self.marker("skip") is not None or self.marker("covered") is not None
+
+    @property
+    def covered_by(self):
+        """A `covered` block's `(file, test, id or None, reason)`, else None."""
+        argument = self.marker("covered")
+        if argument is None:
+            return None
+        match = COVERED.match(argument)
+        return match["file"], match["test"], match["id"], match["reason"]
+
 
 def parse_marker(body, where):
     """`skip: reason` / `cluster --workers 2` / `continue` -> (directive, argument)."""
@@ -93,6 +111,14 @@ def parse_marker(body, where):
     if not DIRECTIVES[name] and argument:
         raise ValueError(f"{where}: docs-test marker {name!r} takes no argument; "
                          f"received {argument!r}")
+    if name == "max-epochs" and not re.fullmatch(r"[1-9]\d*", argument):
+        raise ValueError(f"{where}: docs-test marker 'max-epochs' needs a number of epochs "
+                         f"(1 or more); received {argument!r}")
+    if name == "covered" and (COVERED.match(argument) is None
+                              or len(COVERED.match(argument)["reason"].split()) < 3):
+        raise ValueError(f"{where}: docs-test marker 'covered' needs the test that runs "
+                         f"the block and why, e.g. `covered: tests/test_x.py::test_y "
+                         f"runs this command and checks more`; received {argument!r}")
     return name, (argument if DIRECTIVES[name] else None)
 
 
@@ -177,7 +203,7 @@ def scripts(blocks):
     A block starts a script of its own unless it is marked `continue`: then
     it joins the script of the page's previous Python block, and the last
     sentence of the prose right above it must say so (`CONTINUES`), since
-    the marker is invisible. Skipped blocks belong to no script.
+    the marker is invisible. Skipped and covered blocks belong to no script.
     """
     found, problems, previous = [], [], {}   # previous: page -> (block, its script)
     for block in blocks:
@@ -185,15 +211,15 @@ def scripts(blocks):
             continue
         last, script = previous.get(block.page, (None, None))
         if block.marker("continue") is None:
-            script = None if block.marker("skip") is not None else Script([block])
+            script = None if block.excluded else Script([block])
             if script is not None:
                 found.append(script)
         elif last is None:
             problems.append(f"{block.where}: `continue` needs a Python block before it "
                             f"on the page")
         elif script is None:
-            problems.append(f"{block.where}: `continue` follows a skipped block, "
-                            f"{last.where}: skip this one too, or run that one")
+            problems.append(f"{block.where}: `continue` follows a skipped or covered "
+                            f"block, {last.where}: mark this one so too, or run that one")
         else:
             script.blocks.append(block)
             said = re.split(r"(?<=[.!?])\s+", block.before.strip())[-1]
@@ -352,16 +378,30 @@ def run_session(spec_path):
     """Runs a page's Python scripts in order in this process, each in a fresh
     namespace of its own.
 
-    The spec is `{"scripts": [[{"where", "code", "raises"}, ...], ...]}`: per
-    script, a block and the blocks that continue it, nothing else (no names
-    the reader does not see). A script stops at its first failing block
-    (named); the others still run. Exits 1 if any block failed.
+    The spec is `{"scripts": [[{"where", "code", "raises", "max_epochs"},
+    ...], ...]}`: per script, a block and the blocks that continue it,
+    nothing else (no names the reader does not see). A script stops at its
+    first failing block (named); the others still run. A first block's
+    `max_epochs` (a `max-epochs` marker) caps the whole script's epochs
+    (`keras.config.set_max_epochs`, reset after it). Exits 1 if any block
+    failed.
     """
     with open(spec_path) as f:
         spec = json.load(f)
     failed = 0
     for blocks in spec["scripts"]:
-        failed += not _run_script(blocks)
+        limit = blocks[0].get("max_epochs")
+        if not limit:
+            failed += not _run_script(blocks)
+            continue
+        import keras
+
+        keras.config.set_max_epochs(int(limit))
+        print(f"[docs-test] {blocks[0]['where']}: at most {limit} epochs", flush=True)
+        try:
+            failed += not _run_script(blocks)
+        finally:
+            keras.config.set_max_epochs(None)
     sys.exit(1 if failed else 0)
 
 

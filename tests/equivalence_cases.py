@@ -1,9 +1,10 @@
 """Feature-by-feature cases where `kd.fit` must give what `model.fit` gives.
 
 Shared by tests/test_equivalence.py (MirroredStrategy, 2 logical CPUs, in
-process) and tests/scripts/mwms_equivalence.py (a real 2-process
-MultiWorkerMirrored cluster). Each case builds the same seeded model, data
-and arguments; the reference is Keras' own `model.fit` on one device.
+process: every case) and tests/scripts/mwms_equivalence.py (a real 2-process
+MultiWorkerMirrored cluster: the `MWMS_CASES`). Each case builds the same
+seeded model, data and arguments; the reference is Keras' own `model.fit` on
+one device.
 """
 
 import keras
@@ -99,6 +100,35 @@ CASES = {
 """name -> settings: `optimizer` (factory), `fit` (extra fit arguments),
 `callbacks` (factory), `sample_weight` / `validation_data` (use them),
 `steps_per_execution`, `model` ("mlp" or "weighted_step")."""
+
+MWMS_CASES = ("sgd", "uneven_batch", "steps_per_execution", "sample_weight",
+              "global_clipnorm", "validation_freq", "early_stopping")
+"""The cases run on a real 2-process MultiWorkerMirrored cluster too: those
+whose path there differs from in-process Mirrored. Both strategies train
+through the same `SyncExecutor` (keras_dist/training/sync_executor.py); what
+differs between them is TensorFlow's, and these cases reach it:
+
+- sgd: the input sharded over workers (auto-shard by DATA), the gradient and
+  the non-finite all-reduce between processes, the metrics read (summed)
+  over workers for the epoch logs;
+- uneven_batch: batches of 33 (and the last, of 2) split over the workers,
+  the examples all-reduced for the global-batch average;
+- steps_per_execution: several steps (and their collectives) per call, in a
+  `tf.while_loop`;
+- sample_weight: the weights sharded with their samples (`class_weight`
+  becomes sample weights in NumPy before any of this);
+- global_clipnorm: the gradients all-reduced before the optimizer's
+  clipping, with the thresholds divided by the replicas (every clipping
+  argument takes this one path; see keras_dist/training/gradients.py);
+- validation_freq: evaluation over the workers, with a batch size of its own
+  (`validation_split` splits the arrays in NumPy, then takes this path);
+- early_stopping: every worker stops at the same epoch and restores the best
+  weights into its mirrored variables.
+
+The other cases (optimizers, schedules, callbacks, `initial_epoch`, a custom
+`train_step`) differ only in the model's own Python and Keras code, which
+runs the same under both strategies: the in-process Mirrored tests cover
+them."""
 
 
 def build(case, steps_per_execution=None):

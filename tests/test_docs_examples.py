@@ -40,6 +40,15 @@ the site), one directive each, several allowed:
 
 - `<!-- docs-test: skip: REASON -->`: not run. The reason is required, and
   `test_skips_are_few_and_explained` prints every skip, page by page.
+- `<!-- docs-test: covered: tests/FILE.py::TEST REASON -->`: not run here,
+  because the test TEST (a function of tests/FILE.py) runs the same command
+  or script shape and checks at least as much; REASON says how. For a test
+  of this module, `TEST[ID]` names the job (`test_shell_blocks[README.md]`),
+  and each `expect` marker of the covered block must be one of that job's
+  too (its output must contain the same text). A test checks that TEST
+  exists (and ID) and prints every covered block, apart from the skips (they
+  do not count as skips). A covered block cannot be continued; `expect` is
+  its only other marker.
 - `<!-- docs-test: file NAME -->`: the Python block is written to NAME in the
   page's work directory, for a shell block to run; not run by itself.
 - `<!-- docs-test: cluster ARGS -->`: the Python block runs as a script
@@ -54,9 +63,9 @@ the site), one directive each, several allowed:
   the marker.
 - `<!-- docs-test: complete-script -->`: the block is a complete script, one
   block, as a reader saves it to a file. tests/test_shapes.py runs it, from
-  a file in a fresh process, in one process and in three cluster shapes;
-  not here (that would be its one-process run again). It cannot be a
-  `continue` block.
+  a file in a fresh process, in one process and in three cluster shapes
+  (less those its COVERED says another test runs); not here (that would be
+  its one-process run again). It cannot be a `continue` block.
 - `<!-- docs-test: raises NAME[: TEXT] -->`: the Python block must raise the
   exception class NAME (e.g. `ValueError`), with TEXT in its message if
   given; a block that continues it runs after it.
@@ -64,6 +73,14 @@ the site), one directive each, several allowed:
   block must contain TEXT (what the docs promise it prints).
 - `<!-- docs-test: shells -->`: a shell block of `# shell N` sections, each
   typed into a shell of its own: they run at the same time, each must exit 0.
+- `<!-- docs-test: max-epochs N -->`: Keras' `fit`, `kd.fit` and
+  `keras_dist.simulate` train at most N epochs, with Keras' "Limiting
+  epochs" warning: a shell or `cluster` block runs with `KERAS_MAX_EPOCHS=N`
+  in its environment (every process it starts); a Python script (its first
+  block; not a `file` block) runs with `keras.config.set_max_epochs(N)`,
+  reset after it. Only where nothing the page promises depends on more
+  epochs (no `expect` counting epochs or updates, no output it checks): it
+  saves the test CPU, the reader's run is unchanged.
 
 The jobs (each Python script, each cluster script, each page's shell
 blocks) all start when the first of them is needed, two at a time
@@ -108,7 +125,7 @@ for _script in PYTHON_SCRIPTS.values():
     PYTHON_PAGES.setdefault(_script.head.page, []).append(_script)
 SHELLS = {}
 for _block in ALL:
-    if _block.kind == "shell" and _block.marker("skip") is None:
+    if _block.kind == "shell" and not _block.excluded:
         SHELLS.setdefault(_block.page, []).append(_block)
 
 
@@ -137,11 +154,15 @@ class _Workdirs:
         return path
 
 
-def _env():
+def _env(block=None):
+    """The environment of a job (of `block`'s run: its `max-epochs`)."""
     env = dict(os.environ)
     for name in ("TF_CONFIG", "KERAS_DIST_STRATEGY", "KERAS_DIST_SLOW_WORKER",
-                 "KERAS_DIST_SLURM_JOBS", "KERAS_DIST_K8S_JOBS", "PYTHONPATH"):
+                 "KERAS_DIST_SLURM_JOBS", "KERAS_DIST_K8S_JOBS", "PYTHONPATH",
+                 "KERAS_MAX_EPOCHS", "KERAS_MAX_STEPS_PER_EPOCH"):
         env.pop(name, None)
+    if block is not None and block.marker("max-epochs") is not None:
+        env["KERAS_MAX_EPOCHS"] = block.marker("max-epochs")
     env["PATH"] = VENV_BIN + os.pathsep + env.get("PATH", "")
     env["VIRTUAL_ENV"] = os.path.dirname(VENV_BIN)
     env["PYTHONUNBUFFERED"] = "1"
@@ -154,7 +175,8 @@ def _python_job(runner, workdirs, page):
     One process per page, not per block: each would import TensorFlow again
     (~4 CPU-s), which doubled the docs test's time."""
     cwd = workdirs.make(page, "python")
-    spec = {"scripts": [[{"where": b.where, "code": b.code, "raises": b.marker("raises")}
+    spec = {"scripts": [[{"where": b.where, "code": b.code, "raises": b.marker("raises"),
+                          "max_epochs": b.marker("max-epochs")}
                          for b in script.blocks] for script in PYTHON_PAGES[page]]}
     spec_path = os.path.join(cwd, ".docs-test-session.json")
     with open(spec_path, "w") as f:
@@ -173,7 +195,7 @@ def _cluster_job(runner, workdirs, where):
         f.write(script.code)
     argv = [PYTHON, "-m", "keras_dist.cluster.launch", *block.marker("cluster").split(),
             "--", "python", name]
-    return runner.run(argv, cwd, _env(), CLUSTER_TIMEOUT)
+    return runner.run(argv, cwd, _env(block), CLUSTER_TIMEOUT)
 
 
 _SHELL_START = """\
@@ -209,7 +231,7 @@ def _shell_job(runner, workdirs, page):
             argv = ["bash", "-c", "pids=(); " + " ".join(
                 f"bash -eo pipefail {s} > {s}.log 2>&1 & pids+=($!);" for s in scripts) +
                 " rc=0; for p in ${pids[@]}; do wait $p || rc=$?; done; exit $rc"]
-        result = runner.run(argv, cwd, _env(), SHELL_TIMEOUT)
+        result = runner.run(argv, cwd, _env(block), SHELL_TIMEOUT)
         if len(scripts) > 1:
             logs = []
             for i, path in enumerate(scripts):
@@ -287,6 +309,14 @@ def test_markers_parse():
     ("<!-- docs-test: skip:  -->\n```bash\nls\n```\n", "needs an argument"),
     ("<!-- docs-test: sikp: typo -->\n```bash\nls\n```\n", "unknown docs-test marker"),
     ("<!-- docs-test: continue now -->\n```python\n1\n```\n", "takes no argument"),
+    ("<!-- docs-test: max-epochs two -->\n```bash\nls\n```\n", "needs a number of epochs"),
+    ("<!-- docs-test: max-epochs 0 -->\n```bash\nls\n```\n", "needs a number of epochs"),
+    ("<!-- docs-test: covered: tests/test_x.py::test_y -->\n```bash\nls\n```\n",
+     "needs the test that runs the block and why"),
+    ("<!-- docs-test: covered: tests/test_x.py::test_y runs it -->\n```bash\nls\n```\n",
+     "needs the test that runs the block and why"),
+    ("<!-- docs-test: covered: test_x.py::test_y runs it too -->\n```bash\nls\n```\n",
+     "needs the test that runs the block and why"),
     ("<!-- docs-test: shells -->\n\nSome prose.\n```bash\nls\n```\n", "directly followed"),
     ("```python\n1\n", "never closed"),
 ])
@@ -309,6 +339,14 @@ def test_parser_reads_markers_indented_blocks_and_console():
     assert blocks[3].markers == []
 
 
+def test_max_epochs_sets_keras_max_epochs_for_its_block_alone(monkeypatch):
+    monkeypatch.setenv("KERAS_MAX_EPOCHS", "7")  # the caller's own is never passed on
+    capped, plain = docblocks.parse_page("page.md", (
+        "<!-- docs-test: max-epochs 2 -->\n```bash\nls\n```\n```bash\nls\n```\n"))
+    assert _env(capped)["KERAS_MAX_EPOCHS"] == "2"
+    assert "KERAS_MAX_EPOCHS" not in _env(plain) and "KERAS_MAX_EPOCHS" not in _env()
+
+
 def test_every_block_has_a_known_kind():
     unknown = [f"{b.where} ```{b.lang}" for b in ALL if b.kind is None]
     assert not unknown, ("fenced blocks in a language this test does not know how to "
@@ -321,11 +359,21 @@ def test_markers_fit_their_blocks():
         directives = [name for name, _ in b.markers]
         if "skip" in directives and len(directives) > 1:
             problems.append(f"{b.where}: `skip` with other markers {directives}")
+        if "covered" in directives and set(directives) - {"covered", "expect"}:
+            problems.append(f"{b.where}: `covered` with markers other than `expect` "
+                            f"{directives}")
+        if "covered" in directives and b.kind not in ("python", "shell"):
+            problems.append(f"{b.where}: `covered` on a ```{b.lang} block")
         for name in ("file", "cluster", "raises", "continue", "complete-script"):
             if name in directives and b.kind != "python":
                 problems.append(f"{b.where}: `{name}` on a ```{b.lang} block")
         if "shells" in directives and b.kind != "shell":
             problems.append(f"{b.where}: `shells` on a ```{b.lang} block")
+        if "max-epochs" in directives and not (
+                b.kind == "shell" or (b.kind == "python" and not {"file", "continue"} & set(
+                    directives))):
+            problems.append(f"{b.where}: `max-epochs` needs a shell block or a Python "
+                            f"block that starts a script (not `file`, not `continue`)")
         if "expect" in directives and not (b.kind == "shell" or "cluster" in directives):
             problems.append(f"{b.where}: `expect` needs a shell or `cluster` block")
         if b.kind == "text" and directives:
@@ -347,11 +395,16 @@ def test_continue_blocks_say_so():
      "needs a Python block before it"),
     ("<!-- docs-test: skip: needs a real cluster -->\n```python\nx = 1\n```\n\n"
      "*Continues the previous block.*\n\n<!-- docs-test: continue -->\n"
-     "```python\nprint(x)\n```\n", "follows a skipped block"),
+     "```python\nprint(x)\n```\n", "follows a skipped or covered block"),
+    ("<!-- docs-test: covered: tests/test_x.py::test_y runs it as a script -->\n"
+     "```python\nx = 1\n```\n\n*Continues the previous block.*\n\n"
+     "<!-- docs-test: continue -->\n```python\nprint(x)\n```\n",
+     "follows a skipped or covered block"),
     ("```python\nx = 1\n```\n\nContinuing the script above:\n\n"
      "<!-- docs-test: continue -->\n<!-- docs-test: complete-script -->\n"
      "```python\nprint(x)\n```\n", "a complete script is one block"),
-], ids=["no_line", "not_the_last_sentence", "first_block", "after_skip", "complete_script"])
+], ids=["no_line", "not_the_last_sentence", "first_block", "after_skip", "after_covered",
+        "complete_script"])
 def test_bad_continuations_are_errors(text, problem):
     _, problems = docblocks.scripts(docblocks.parse_page("page.md", text))
     assert len(problems) == 1 and problem in problems[0], problems
@@ -385,6 +438,94 @@ def test_skips_are_few_and_explained():
         "every skip needs a reason of a few words:\n" + "\n".join(lines))
     assert len(skips) <= len(code) // 4, "more than a quarter of the blocks skipped:\n" + (
         "\n".join(lines))
+
+
+def _test_functions(path):
+    """The names of the module-level functions of the file at `path`."""
+    import ast
+
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    return {node.name for node in tree.body
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+# This module's tests that a `covered` marker may name with an ID: their jobs.
+_JOBS = {"test_shell_blocks": lambda key: SHELLS.get(key, []),
+         "test_cluster_block": lambda key: [CLUSTERS[key].head] if key in CLUSTERS else [],
+         "test_python_blocks": lambda key: [b for s in PYTHON_PAGES.get(key, ())
+                                            for b in s.blocks]}
+
+
+def _covered_problems(blocks):
+    """What is wrong with the `covered` markers of `blocks`: a test that does
+    not exist, or one of this module's jobs that is not there or does not
+    check the output for the block's `expect` texts."""
+    problems = []
+    for b in blocks:
+        if b.marker("covered") is None:
+            continue
+        path, test, key, _ = b.covered_by
+        if not os.path.isfile(os.path.join(REPO, path)):
+            problems.append(f"{b.where}: no file {path}")
+            continue
+        if test not in _test_functions(os.path.join(REPO, path)):
+            problems.append(f"{b.where}: {path} has no function {test}")
+            continue
+        if key is None:
+            if b.markers_of("expect"):
+                problems.append(f"{b.where}: `expect` on a block covered by a test of "
+                                f"another module (name one of this module's jobs, whose "
+                                f"output this test checks)")
+            continue
+        if path != "tests/test_docs_examples.py" or test not in _JOBS:
+            problems.append(f"{b.where}: an ID ([{key}]) is only for this module's "
+                            f"{', '.join(sorted(_JOBS))}")
+            continue
+        jobs = _JOBS[test](key)
+        if not jobs:
+            problems.append(f"{b.where}: {test} has no job {key!r}")
+            continue
+        promised = {text for block in jobs for text in block.markers_of("expect")}
+        missing = [text for text in b.markers_of("expect") if text not in promised]
+        if missing:
+            problems.append(f"{b.where}: {test}[{key}] does not check the output for "
+                            f"{missing}: add them to its `expect` markers")
+    return problems
+
+
+def test_covered_blocks_name_their_tests():
+    """Each `covered` block names a test that exists; one of this module's
+    names its job, whose `expect`s include the block's."""
+    covered = [b for b in ALL if b.marker("covered") is not None]
+    code = [b for b in ALL if b.kind in ("python", "shell")]
+    lines = [f"{len(covered)} of {len(code)} code blocks covered by other tests (not run "
+             f"here; not skips):"]
+    for b in covered:
+        path, test, key, reason = b.covered_by
+        lines.append(f"  {b.where}: {path}::{test}{f'[{key}]' if key else ''}: {reason}")
+    print("\n".join(lines))
+    problems = _covered_problems(ALL)
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("target, expect, problem", [
+    ("tests/test_nothing_here.py::test_y", None, "no file tests/test_nothing_here.py"),
+    ("tests/test_docs_examples.py::test_nothing_here", None, "has no function"),
+    ("tests/test_docs_examples.py::test_shell_blocks[no/such/page.md]", None, "has no job"),
+    ("tests/test_docs_examples.py::test_markers_parse[README.md]", None, "only for"),
+    ("tests/test_docs_examples.py::test_shell_blocks[README.md]", "a promise nobody checks",
+     "does not check the output for"),
+    ("tests/test_shapes.py::test_a_complete_script_runs_unchanged_in_every_shape",
+     "a promise", "`expect` on a block covered by a test of another module"),
+], ids=["no_file", "no_test", "no_job", "id_of_another_test", "expect_unchecked",
+        "expect_elsewhere"])
+def test_bad_covered_targets_are_problems(target, expect, problem):
+    text = f"<!-- docs-test: covered: {target} runs this very command -->\n"
+    if expect:
+        text += f"<!-- docs-test: expect {expect} -->\n"
+    problems = _covered_problems(docblocks.parse_page("page.md", text + "```bash\nls\n```\n"))
+    assert len(problems) == 1 and problem in problems[0], problems
 
 
 # ---------------------------------------------------------------- data blocks

@@ -9,14 +9,20 @@ Each "complete script" of the docs (a block marked
 - under `keras-dist-run --workers 2` (MultiWorkerMirrored),
 - under `keras-dist-run --workers 2 --ps 1` (parameter servers),
 
-(less the pairs in COVERED, which the page's own shell block runs) and must
-exit 0 with its test accuracy (a dict it prints, or the
-evaluation's progress line) in what the chief (or the single process)
-printed last. The runs start together, two at a time, when the first test
-needs them (a cluster run takes ~20-40 s here); under pytest-xdist (`make
-test`) each test runs its own, the workers being the pool.
+(less the pairs in COVERED: each of them is run by its page's own shell
+block, by another script's run here in the same shape, or by a test, as
+COVERED says) and must exit 0 with its test accuracy (a dict it prints, or
+the evaluation's progress line) in what the chief (or the single process)
+printed last. Every script keeps its one-process run, README's script every
+shape. The runs train at most `MAX_EPOCHS` epochs (Keras' `KERAS_MAX_EPOCHS`,
+which kd.fit honours too): nothing here depends on more. The runs start
+together, two at a time, when the first test needs them (a cluster run takes
+~20-40 s here); under pytest-xdist (`make test`) each test runs its own, the
+workers being the pool.
 """
 
+import ast
+import collections
 import concurrent.futures
 import os
 import re
@@ -53,15 +59,56 @@ def _complete_scripts():
 
 
 SCRIPTS = _complete_scripts()
-# (script, shape) pairs a docs shell block already runs as the page shows
-# it, checking more of the output than this test does: the block, and a
-# command it must contain (test_covered_pairs_are_still_run_by_the_docs).
+
+
+class Shell(collections.namedtuple("Shell", "page command")):
+    """A shell block of `page` that runs the script as the page shows it,
+    checking more of the output than this test does: it contains `command`."""
+
+
+class Shape(collections.namedtuple("Shape", "page shape")):
+    """`page`'s complete script, run here in `shape`."""
+
+
+class ByTest(collections.namedtuple("ByTest", "path name")):
+    """The test function `name` of tests/`path`."""
+
+
+_ASYNC_SHELL = Shell("docs/asynchronous-training.md",
+                     "keras-dist-run --workers 2 --ps 1 -- python train.py")
+_SHELLS_MULTI_WORKER = Shell("docs/getting-started.md",
+                             '"task": {"type": "worker", "index": 1}}\'\npython train.py')
+# (script, shape) pairs not run here: why, and what runs them instead
+# (test_covered_pairs_are_still_run_by_the_docs checks that each still does).
+# Getting started's and asynchronous training's scripts are one script
+# but for `fit`'s arguments and what is printed after it (as the latter
+# page says): each page's shell block runs it in one cluster shape.
 COVERED = {
-    ("docs/asynchronous-training.md", "parameter_server"):
-        "keras-dist-run --workers 2 --ps 1 -- python train.py",
-    ("docs/getting-started.md", "multi_worker"):
-        '"task": {"type": "worker", "index": 1}}\'\npython train.py',
+    ("docs/asynchronous-training.md", "parameter_server"): (
+        "the page's shell block runs it so, and checks more of the output", [_ASYNC_SHELL]),
+    ("docs/getting-started.md", "multi_worker"): (
+        "the page's `shells` block runs it so, and checks more of the output",
+        [_SHELLS_MULTI_WORKER]),
+    ("docs/getting-started.md", "parameter_server"): (
+        "asynchronous training's script (this one but for fit's arguments and one print) "
+        "runs so in that page's shell block; README's script runs so here",
+        [_ASYNC_SHELL, Shape("README.md", "parameter_server")]),
+    ("docs/asynchronous-training.md", "multi_worker"): (
+        "getting started's script (this one but for fit's arguments and one print) runs so "
+        "in that page's `shells` block; README's script (validation_data too) runs so here; "
+        "validation, kd.evaluate's dict and model.version there: test_fit_multiworker",
+        [_SHELLS_MULTI_WORKER, Shape("README.md", "multi_worker"),
+         ByTest("test_fit_multiworker.py", "test_two_workers_train_in_sync")]),
+    ("docs/getting-started.md", "mirrored"): (
+        "README's script runs so here (the same calls: resolve_strategy, kd.fit of a "
+        "build function, kd.evaluate)", [Shape("README.md", "mirrored")]),
+    ("docs/asynchronous-training.md", "mirrored"): (
+        "README's script runs so here (the same calls, validation_data too; kd.evaluate's "
+        "dict under Mirrored: test_fit)",
+        [Shape("README.md", "mirrored"),
+         ByTest("test_fit.py", "test_evaluate_uses_the_models_strategy")]),
 }
+MAX_EPOCHS = 2
 _TF_LOG = re.compile(r"^([IWE]\d{4} |WARNING: All log messages|\[keras-dist-run\])")
 _jobs = {}
 
@@ -75,6 +122,7 @@ def _run(block, shape):
     env = {k: v for k, v in os.environ.items()
            if k not in ("TF_CONFIG", "KERAS_DIST_STRATEGY", "KERAS_DIST_CPU_REPLICAS")}
     env.update(extra, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1",
+               KERAS_MAX_EPOCHS=str(MAX_EPOCHS),
                PYTHONPATH=os.pathsep.join([REPO, env.get("PYTHONPATH", "")]))
     if args:
         command = [sys.executable, "-m", "keras_dist.cluster.launch", *args, "--max-restarts", "0",
@@ -119,14 +167,34 @@ def test_the_docs_have_complete_scripts():
 
 
 def test_covered_pairs_are_still_run_by_the_docs():
-    """A pair left out here is run by its page's shell block (tests/test_docs_examples.py)."""
-    for (page, shape), command in COVERED.items():
-        assert page in {b.page for b in SCRIPTS}, (page, "has no complete script")
-        shells = [b for b in docblocks.parse_page(page)
-                  if b.kind == "shell" and b.marker("skip") is None]
-        assert any(command in b.code for b in shells), (
-            f"{page}: no shell block runs its complete script as {shape} "
-            f"({command!r}); remove the pair from COVERED")
+    """A pair left out here is run by what COVERED names: its page's shell
+    block (tests/test_docs_examples.py), another script's run here, or a
+    test function that exists."""
+    pages = {b.page for b in SCRIPTS}
+    assert {page for page, _ in COVERED} <= pages, "COVERED names a page with no complete script"
+    assert not {p for p, s in COVERED if s == "one_process"}, "every script runs in one process"
+    assert not {s for p, s in COVERED if p == "README.md"}, "README's script runs every shape"
+    for (page, shape), (reason, runners) in COVERED.items():
+        assert len(reason.split()) >= 5 and runners, (page, shape)
+        for runner in runners:
+            if isinstance(runner, Shell):
+                shells = [b for b in docblocks.parse_page(runner.page)
+                          if b.kind == "shell" and not b.excluded]
+                assert any(runner.command in b.code for b in shells), (
+                    f"{runner.page}: no shell block runs its complete script as {shape} "
+                    f"({runner.command!r}); COVERED[{page!r}, {shape!r}] relies on it")
+            elif isinstance(runner, Shape):
+                assert runner.shape == shape and runner.page in pages, (page, shape, runner)
+                assert (runner.page, runner.shape) not in COVERED, (
+                    f"COVERED[{page!r}, {shape!r}] relies on {runner}, which is not run here")
+            else:
+                path = os.path.join(REPO, "tests", runner.path)
+                with open(path, encoding="utf-8") as f:
+                    names = {node.name for node in ast.parse(f.read()).body
+                             if isinstance(node, ast.FunctionDef)}
+                assert runner.name in names, (
+                    f"COVERED[{page!r}, {shape!r}] relies on tests/{runner.path}::"
+                    f"{runner.name}, which is not there")
 
 
 @pytest.mark.parametrize("block,shape", [

@@ -1,5 +1,7 @@
 """keras_dist.simulate: the schedule against known results, and simulated training."""
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -496,3 +498,25 @@ def test_sync_fit_will_not_overwrite_a_learning_rate_schedule():
     with pytest.raises(ValueError, match="Use a float learning rate, or lr_scaling=\"none\""):
         simulate.sync_fit(model, x, y, workers=2)
     simulate.sync_fit(model, x, y, workers=2, lr_scaling="none", warmup=0)  # kept as it is
+
+
+def test_simulated_fits_honour_keras_max_epochs_with_keras_warning():
+    """`keras.config.set_max_epochs` (`KERAS_MAX_EPOCHS`) caps Keras' own fit
+    and kd.fit; the simulated fits too, with the same warning."""
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(0.05), "mse")
+    x, y = np.ones((64, 4), "float32"), np.ones((64, 1), "float32")
+    keras.config.set_max_epochs(2)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            history, sched = simulate.fit(model, x, y, workers=2, epochs=5)
+            sync_history, _ = simulate.sync_fit(model, x, y, workers=2, epochs=5)
+            under, _ = simulate.fit(model, x, y, workers=2, epochs=1)
+    finally:
+        keras.config.set_max_epochs(None)
+    assert len(history["loss"]) == 2 and len(sched.staleness) == 2 * 64 // 32
+    assert len(sync_history["loss"]) == 2 and len(under["loss"]) == 1
+    assert [str(w.message) for w in caught if "Limiting" in str(w.message)] == [
+        "Limiting epochs to 2"] * 2
+    assert len(simulate.fit(model, x, y, workers=2, epochs=3)[0]["loss"]) == 3

@@ -37,7 +37,9 @@ def fit(model, x, y, *, workers, epochs=1, batch_size=32, validation_data=None,
         x: Array of inputs.
         y: Array of targets.
         workers: Integer. Simulated workers N.
-        epochs: Integer. Passes over the data. Defaults to `1`.
+        epochs: Integer. Passes over the data. Defaults to `1`. Capped by
+            `keras.config.max_epochs()` (`KERAS_MAX_EPOCHS`), as in Keras'
+            `fit`.
         batch_size: Integer. Defaults to `32`.
         validation_data: Tuple `(x_val, y_val)` or `None`; evaluated with
             `model.evaluate` after each epoch.
@@ -83,6 +85,9 @@ def fit(model, x, y, *, workers, epochs=1, batch_size=32, validation_data=None,
     """
     from keras_dist.training import update as update_lib
 
+    from keras_dist.training.driver import _keras_limit
+
+    epochs = _keras_limit(epochs, "max_epochs", "Limiting epochs to %d")  # as Keras' fit
     steps_per_epoch = len(x) // batch_size
     if steps_per_epoch < 1:
         raise ValueError(f"batch_size={batch_size} is larger than the {len(x)} samples.")

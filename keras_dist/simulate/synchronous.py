@@ -154,7 +154,8 @@ def sync_fit(model, x, y, *, workers, backup=0, epochs=1, batch_size=32, validat
         workers: Integer >= 1. Gradients averaged per update, N.
         backup: Integer >= 0. Backup workers b. Defaults to `0`.
         epochs: Integer >= 1. Passes' worth of applied examples. Defaults
-            to `1`.
+            to `1`. Capped by `keras.config.max_epochs()`
+            (`KERAS_MAX_EPOCHS`), as in Keras' `fit`.
         batch_size: Integer. Each worker's batch. Defaults to `32`.
         validation_data: Tuple `(x_val, y_val)` or `None`; evaluated with
             `model.evaluate` at each epoch's end.
@@ -202,6 +203,9 @@ def sync_fit(model, x, y, *, workers, backup=0, epochs=1, batch_size=32, validat
     _check_int(workers, "workers", 1)
     _check_int(backup, "backup", 0)
     _check_int(epochs, "epochs", 1)
+    from keras_dist.training.driver import _keras_limit
+
+    epochs = _keras_limit(epochs, "max_epochs", "Limiting epochs to %d")  # as Keras' fit
     _check_int(batch_size, "batch_size", 1)
     if lr_scaling not in LR_SCALINGS:
         raise ValueError(f"`lr_scaling` must be one of {LR_SCALINGS}. "

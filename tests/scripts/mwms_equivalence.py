@@ -1,8 +1,9 @@
-"""One worker of a 2-process MultiWorkerMirrored cluster: every equivalence case.
+"""One worker of a 2-process MultiWorkerMirrored cluster: equivalence cases.
 
 Run by tests/test_equivalence.py with TF_CONFIG set. Trains each case of
-tests/equivalence_cases.py with `kd.fit` and writes the weights and History
-to out_dir/<task>.json. argv: out_dir.
+tests/equivalence_cases.py's `MWMS_CASES` (or of the comma-separated names
+in env MWMS_CASES; "all": every case) with `kd.fit` and writes the weights
+and History to out_dir/<task>.json. argv: out_dir.
 """
 
 import json
@@ -15,15 +16,14 @@ import keras_dist as kd  # noqa: E402
 
 strategy = kd.resolve_strategy()  # first: collective ops start with the process
 
-from equivalence_cases import CASES, build, fit_arguments  # noqa: E402
+from equivalence_cases import CASES, MWMS_CASES, build, fit_arguments  # noqa: E402
 
 
 def main(out_dir):
     results = {}
     only = os.environ.get("MWMS_CASES")
-    for case in sorted(CASES):
-        if only and case not in only.split(","):
-            continue
+    cases = (CASES if only == "all" else only.split(",") if only else MWMS_CASES)
+    for case in sorted(cases):
         x, y, kwargs = fit_arguments(case)
         history = kd.fit(lambda: build(case), x, y, strategy=strategy, **kwargs)
         results[case] = {"weights": [w.tolist() for w in history.model.get_weights()],

@@ -1,7 +1,11 @@
 """One task of a 2-process MultiWorkerMirrored test: trains and saves results.
 
 Run by tests/test_fit_multiworker.py with TF_CONFIG set, and by
-tests/test_k8s_cluster.py as the pods of a Kubernetes Job. argv: out_dir.
+tests/test_ray.py on Ray's actors. argv: out_dir.
+Env MWMS_TEST_INPUT: the input, "arrays" (the default) or "dataset"; the
+results go to out_dir/<task>.json and .npz. Several, comma-separated
+("arrays,dataset"): one `kd.fit` after the other in this process, each
+mode's results to out_dir/<task>-<mode>.json and .npz.
 """
 
 import json
@@ -28,8 +32,13 @@ def build_model():
 
 
 def main(out_dir):
+    modes = os.environ.get("MWMS_TEST_INPUT", "arrays").split(",")
+    for mode in modes:
+        train(out_dir, mode, suffix="" if len(modes) == 1 else f"-{mode}")
+
+
+def train(out_dir, mode, suffix):
     (x, y), (x_test, y_test) = load_digits()
-    mode = os.environ.get("MWMS_TEST_INPUT", "arrays")
     if mode == "dataset":
         data = dict(x=__import__("tensorflow").data.Dataset.from_tensor_slices(
             (x, y)).batch(64))
@@ -48,7 +57,7 @@ def main(out_dir):
     same_predictions = bool(np.array_equal(
         predicted, kd.predict(model, x_test, batch_size=50, verbose=0)))
     task = kd.ClusterConfig.from_env()  # TF_CONFIG, or a Kubernetes Job's pod
-    name = f"{task.task_type}{task.task_index}"
+    name = f"{task.task_type}{task.task_index}{suffix}"
     np.savez(os.path.join(out_dir, f"{name}.npz"), *model.get_weights())
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump({"history": history.history, "test_accuracy": acc,
