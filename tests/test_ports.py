@@ -101,30 +101,30 @@ def test_the_launcher_restarts_the_job_on_new_ports_and_training_is_exact(tmp_pa
     state, out = tmp_path / "state", tmp_path / "out"
     state.mkdir()
     out.mkdir()
-    command = [sys.executable, "tests/scripts/squat_port.py", "worker:1", str(state),
+    command = [sys.executable, "tests/scripts/squat_port.py", "worker:0", str(state),
                "tests/scripts/ps_train.py", str(out)]
     try:
-        proc = subprocess.run(LAUNCH + ["--workers", "2", "--ps", "1", "--", *command],
+        proc = subprocess.run(LAUNCH + ["--workers", "1", "--ps", "1", "--", *command],
                               cwd=REPO, capture_output=True, text=True, timeout=540)
         output = proc.stdout + proc.stderr
         assert proc.returncode == 0, output[-6000:]
-        taken = re.search(r"\[worker:1\] squat_port: another program now listens on port "
+        taken = re.search(r"\[worker:0\] squat_port: another program now listens on port "
                           r"(\d+)", output)
         assert taken, output[-6000:]
         port = int(taken.group(1))
         # The task says it in one line; the launcher says it once and restarts
-        # the job (not worker 1 alone, which would need the same port).
-        assert f"[worker:1] keras_dist.cluster.ports.PortInUseError: worker:1 cannot start " \
+        # the job (not the worker alone, which would need the same port).
+        assert f"[worker:0] keras_dist.cluster.ports.PortInUseError: worker:0 cannot start " \
                f"its TensorFlow server: port {port} is in use" in output, output[-6000:]
         restarts = [line for line in output.splitlines()
                     if line.startswith("[keras-dist-run]") and "restart" in line]
         assert restarts == [
-            f"[keras-dist-run] worker:1 could not listen on port {port}: it is in use by "
+            f"[keras-dist-run] worker:0 could not listen on port {port}: it is in use by "
             "another program; restarting the job on new ports (1/3), no backup in force: "
             "starting afresh"], output[-6000:]
-        # The second job's worker 1 serves on another port; the squatter kept its own.
-        assert _serving_ports(output, "worker:1") and port not in _serving_ports(
-            output, "worker:1"), output[-6000:]
+        # The second job's worker serves on another port; the squatter kept its own.
+        assert _serving_ports(output, "worker:0") and port not in _serving_ports(
+            output, "worker:0"), output[-6000:]
         with open(out / "result.json") as f:
             result = json.load(f)
         assert result["iterations"] == result["version"] == result["scheduled_steps"]
@@ -136,16 +136,16 @@ def test_the_launcher_restarts_the_job_on_new_ports_and_training_is_exact(tmp_pa
 @pytest.mark.timeout(300)
 def test_without_restarts_the_launcher_stops_naming_the_port(tmp_path):
     # The task is plain TensorFlow (no keras-dist): the launcher still sees why.
-    command = [sys.executable, "tests/scripts/squat_port.py", "worker:1", str(tmp_path),
+    command = [sys.executable, "tests/scripts/squat_port.py", "worker:0", str(tmp_path),
                "tests/scripts/serve_forever.py"]
     try:
-        proc = subprocess.run(LAUNCH + ["--workers", "2", "--ps", "1", "--max-restarts", "0",
+        proc = subprocess.run(LAUNCH + ["--workers", "1", "--ps", "1", "--max-restarts", "0",
                                         "--", *command],
                               cwd=REPO, capture_output=True, text=True, timeout=240)
         output = proc.stdout + proc.stderr
         port = int(re.search(r"another program now listens on port (\d+)", output).group(1))
         assert proc.returncode != 0, output
-        assert f"[keras-dist-run] worker:1 could not listen on port {port}: it is in use by " \
+        assert f"[keras-dist-run] worker:0 could not listen on port {port}: it is in use by " \
                "another program; stopping the cluster" in output, output
     finally:
         stop_squatter(tmp_path)
