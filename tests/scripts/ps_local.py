@@ -98,7 +98,7 @@ def train(outer, elastic=None):
     keras.utils.set_random_seed(2)
     with strategy.scope():
         model = kd.AsyncModel.from_model(digits_model(keras.optimizers.SGD(0.05, momentum=0.9)))
-    history = model.fit(X, Y, batch_size=32, epochs=6, steps_per_epoch=40 * K, verbose=0,
+    history = model.fit(X, Y, batch_size=32, epochs=3, steps_per_epoch=40 * K, verbose=0,
                         local_steps=K, outer_optimizer=outer, elastic=elastic)
     outer_state = {}
     if isinstance(outer, kd.optimizers.DelayedNesterov):
