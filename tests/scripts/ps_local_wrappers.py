@@ -58,7 +58,7 @@ def train():
             keras.optimizers.SGD(0.05, momentum=0.9))))
     outer = kd.optimizers.StalenessLimit(kd.optimizers.DynSGD(keras.optimizers.SGD(1.0)),
                                          max_staleness=1000)
-    history = model.fit(X, Y, batch_size=32, epochs=6, steps_per_epoch=40 * K, verbose=0,
+    history = model.fit(X, Y, batch_size=32, epochs=3, steps_per_epoch=40 * K, verbose=0,
                         local_steps=K, outer_optimizer=outer)
     outer = model.outer_optimizer
     return {"test_accuracy": model.evaluate(X_TEST, Y_TEST, verbose=0, return_dict=True)[
