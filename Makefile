@@ -10,8 +10,8 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 
-$(STAMP): pyproject.toml | $(PY)
-	$(PY) -m pip install --quiet -e '.[test,examples,docs]'
+$(STAMP): pyproject.toml constraints.txt | $(PY)
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,examples,docs]'
 	touch $(STAMP)
 
 ## demo: asynchronous training on a local cluster (chief, 2 workers, 1 ps) on the bundled digits
@@ -38,7 +38,7 @@ durations:
 
 ## test-ray: keras_dist.ray's tests on a local Ray (installs the ray extra; ~3 min on 2 cores)
 test-ray: $(STAMP)
-	$(PY) -m pip install --quiet -e '.[ray]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[ray]'
 	$(PY) -m pytest -m ray tests/test_ray.py
 
 docs: $(STAMP)
@@ -46,7 +46,7 @@ docs: $(STAMP)
 
 ## bench: every benchmark side by side, then docs/benchmarks.md (installs the bench extra; ~40 min)
 bench: $(STAMP)
-	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[bench]'
 	$(PY) benchmarks/fit_overhead.py
 	$(PY) benchmarks/iterator_release.py
 	$(VENV)/bin/keras-dist-run --workers 2 --ps 1 -- $(PY) benchmarks/ps_throughput.py
