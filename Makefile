@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-ray durations docs bench dist compat keras-suite clean
+.PHONY: install demo test test-ray durations docs bench dist compat compat-env keras-suite clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -13,6 +13,9 @@ $(PY):
 $(STAMP): pyproject.toml constraints.txt | $(PY)
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,examples,docs]'
 	touch $(STAMP)
+
+## install: this checkout's environment, .venv (every target below does it first)
+install: $(STAMP)
 
 ## demo: asynchronous training on a local cluster (chief, 2 workers, 1 ps) on the bundled digits
 demo: $(STAMP)
@@ -74,6 +77,11 @@ dist: $(STAMP)
 PAIRS ?= all
 compat: dist
 	$(PY) tools/compat.py --pairs $(PAIRS)
+
+## compat-env: only the compat environments, with everything the wheel needs but the wheel
+## (.ci/run builds them while the suite runs; `make compat` then installs only the wheel)
+compat-env: | $(PY)
+	$(PY) tools/compat.py --pairs $(PAIRS) --prepare-only
 
 ## keras-suite: Keras' own fit tests (its sdist's trainer_test and fit callbacks' tests) with no strategy,
 ## under Mirrored (2 logical CPUs) and under Mirrored through kd.fit; summary in logs/keras-suite.md

@@ -84,3 +84,30 @@ def test_wheel_installs_and_runs_outside_the_source_tree(tmp_path):
     found = run_smoke(python, elsewhere)
     assert found["keras_dist"].startswith(str(tmp_path / "env")), found
     assert found["accuracy"] > 0.85
+
+
+def test_compat_prepares_every_requirement_of_the_wheel_but_the_pinned_pair():
+    """`make compat-env` (tools/compat.py --prepare-only) installs what
+    `wheel[test]` will ask for, TensorFlow and Keras pinned to the pair, so
+    that `make compat` afterwards installs only the wheel. Checked against
+    pyproject.toml itself: a requirement added there is prepared too."""
+    import importlib.util
+    import tomllib
+
+    spec = importlib.util.spec_from_file_location(
+        "compat_tool", os.path.join(REPO, "tools", "compat.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    wanted = project["dependencies"] + project["optional-dependencies"]["test"]
+    assert tool.wheel_requirements() == wanted
+    ran = []
+    tool.environment = lambda pair, cache: "python"   # no venv: only the command line
+    tool.run = lambda cmd, **kwargs: ran.append(cmd)
+    tool.prepare_requirements(("2.16.2", "3.10.0"), "unused")
+    (cmd,) = ran
+    assert cmd[:4] == ["python", "-m", "pip", "install"]
+    assert cmd[-2:] == ["tensorflow==2.16.2", "keras==3.10.0"]
+    others = [r for r in wanted if not r.startswith(("tensorflow>", "keras>"))]
+    assert cmd[5:-2] == others and "tensorboard>=2.16" in others

@@ -19,6 +19,13 @@ Usage:
     python tools/compat.py                   # every tested pair
     python tools/compat.py --pairs oldest    # oldest | middle | newest | 2.18.1/3.12.4
     python tools/compat.py --list            # the pairs, then exit
+    python tools/compat.py --pairs oldest --prepare-only
+                                             # step 1 with the wheel's requirements
+                                             # but not the wheel: no `make dist` needed
+
+`--prepare-only` lets `.ci/run` build an environment (downloads and unpacks
+TensorFlow: about 90 s, mostly waiting) while the main suite runs; the run
+after it finds every requirement in place and installs only the wheel.
 
 This tool imports neither TensorFlow nor keras_dist; the pairs are read
 from keras_dist/versions.py's source.
@@ -82,14 +89,45 @@ def find_wheel(dist_dir):
     return wheels[-1]
 
 
-def prepare(pair, cache, wheel):
-    """The pair's environment, with the wheel installed; returns its python."""
+def wheel_requirements():
+    """pyproject.toml's dependencies and `test` extra (what `wheel[test]`
+    asks for), or [] where this Python cannot read TOML (before 3.11)."""
+    try:
+        import tomllib
+    except ImportError:
+        return []
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    return [*project["dependencies"], *project["optional-dependencies"]["test"]]
+
+
+def environment(pair, cache):
+    """The pair's environment, created on first use; returns its python."""
     tf_version, keras_version = pair
     env = os.path.join(cache, f"tf{tf_version}-keras{keras_version}")
     python = os.path.join(env, "bin", "python")
     if not os.path.exists(python):
         run([sys.executable, "-m", "venv", "--clear", env])
         run([python, "-m", "pip", "install", "--quiet", "--upgrade", "pip"])
+    return python
+
+
+def prepare_requirements(pair, cache):
+    """The pair's environment with everything the wheel will ask for but
+    the wheel itself (`--prepare-only`)."""
+    python = environment(pair, cache)
+    tf_version, keras_version = pair
+    pinned = [r for r in wheel_requirements()
+              if not r.lower().startswith(("tensorflow", "keras"))]
+    run([python, "-m", "pip", "install", "--quiet", *pinned,
+         f"tensorflow=={tf_version}", f"keras=={keras_version}"])
+    return python
+
+
+def prepare(pair, cache, wheel):
+    """The pair's environment, with the wheel installed; returns its python."""
+    tf_version, keras_version = pair
+    python = environment(pair, cache)
     # A fresh environment has no keras-dist yet; pip's notice says so.
     run([python, "-m", "pip", "uninstall", "--quiet", "--yes", "keras-dist"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -162,12 +200,22 @@ def main(argv=None):
     parser.add_argument("--dist", default=os.path.join(ROOT, "dist"),
                         help="folder holding the built wheel (default: dist/)")
     parser.add_argument("--list", action="store_true", help="print the pairs and exit")
+    parser.add_argument("--prepare-only", action="store_true",
+                        help="only create the environments, with the wheel's requirements "
+                             "but not the wheel (no `make dist` needed), then exit")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments, after --")
     args = parser.parse_args(argv)
     pairs = select(tested_pairs(), args.pairs)
     if args.list:
         for pair in pairs:
             print("/".join(pair))
+        return 0
+    if args.prepare_only:
+        for pair in pairs:
+            started = time.monotonic()
+            prepare_requirements(pair, args.cache)
+            print(f"compat: {'/'.join(pair)} prepared in {time.monotonic() - started:.0f} s",
+                  flush=True)
         return 0
     wheel = find_wheel(args.dist)
     print(f"compat: {os.path.basename(wheel)} on {', '.join('/'.join(p) for p in pairs)}")
