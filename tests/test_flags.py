@@ -610,11 +610,16 @@ def test_docs_script_under_the_launcher_prints_no_tensorflow_info(tmp_path):
         assert done.returncode == 0, out[-4000:]
         return [line for line in out.splitlines() if _PYTHON_INFO.search(line)], out
 
+    # docs/flags.md's two commands (its shell block is `covered` by this
+    # test): the launcher run with the page's staleness flags (on one worker,
+    # not two: the same code, one process fewer), the Mirrored run below.
     noise, out = run([sys.executable, "-m", "keras_dist.cluster.launch", "--workers", "1",
-                      "--ps", "1", "--"])
+                      "--ps", "1", "--"], "--staleness=dynsgd", "--max_staleness=4")
     assert noise == [], "\n".join(noise[:20])
     assert re.search(r"^\[chief:0\] keras_dist: using parameter_server strategy", out, re.M)
-    assert re.search(r"^\[chief:0\] \d+/\d+ - .*accuracy", out, re.M), out[-3000:]
+    # The flags took effect: DynSGD's scale and StalenessLimit's drops are logged.
+    assert re.search(r"^\[chief:0\] \d+/\d+ - .*accuracy.*dropped_updates.*dyn_sgd_scale_mean",
+                     out, re.M), out[-3000:]
     # Asked for (absl's --verbosity, or -v): TensorFlow's INFO lines are back.
     # One process shows it as well as a cluster (the same logger; which
     # --verbosity / -v / app.run cases keep which level:
