@@ -82,7 +82,7 @@ def markdown(data, top=40):
         f"- The CPU bound: {cpu:.0f} CPU-s on {cores} cores take at least {cpu / cores:.0f} s "
         f"whatever the scheduling. The {len(heavy)} tests of 10 CPU-s or more (clusters, "
         f"launcher runs, scripts in fresh processes) use {heavy_cpu:.0f} of them; a Python "
-        "process importing TensorFlow and Keras costs about 6 CPU-s before it does anything.",
+        "process importing TensorFlow and Keras costs about 5 CPU-s before it does anything (with ml_dtypes < 0.7: constraints.txt).",
         "",
         f"## The {top} slowest tests",
         "",
