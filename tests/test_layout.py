@@ -206,3 +206,13 @@ def test_private_tf_and_keras_names_only_in_compat(path):
     assert not names, (
         f"{name} uses private TensorFlow/Keras names {names}; reach them through "
         "keras_dist._compat (with the reason there is no public route)")
+
+
+def test_the_preempted_exit_code_is_defined_once():
+    """Tasks and runners agree on 75 because they share one definition
+    (keras_dist/cluster/config.py, which loads neither Keras nor TensorFlow)."""
+    defined = [str(path.relative_to(PACKAGE)) for path in MODULES
+               for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.Assign) and any(
+                   getattr(t, "id", None) == "PREEMPTED_EXIT_CODE" for t in node.targets)]
+    assert defined == ["cluster/config.py"], defined

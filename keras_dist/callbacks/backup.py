@@ -20,15 +20,9 @@ import numpy as np
 
 from keras_dist import _compat
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
+from keras_dist.cluster.config import PREEMPTED_EXIT_CODE  # noqa: F401  (kd.callbacks' too)
 
 logger = logging.getLogger("keras_dist")
-
-PREEMPTED_EXIT_CODE = 75
-"""The exit code of a task that saved a backup because it was told it will be
-preempted (SIGTERM, SIGUSR1): "preempted, resume me". 75 is `EX_TEMPFAIL`
-of sysexits.h (a temporary failure; retrying is invited). `keras-dist-run
---max-restarts` restarts the job on it; so can a Kubernetes Job's
-`podFailurePolicy` (`onExitCodes`) or a SLURM requeue."""
 
 CHECK_EVERY = 10
 """Under MultiWorkerMirrored the workers agree on the step to stop at every

@@ -20,6 +20,18 @@ from typing import Mapping, Optional, Tuple
 ROLES = ("chief", "worker", "ps", "evaluator")
 """Role names a cluster may contain, in TensorFlow's spelling."""
 
+PREEMPTED_EXIT_CODE = 75
+"""The exit code of a task that saved a backup because it was told it will be
+preempted (SIGTERM, SIGUSR1): "preempted, resume me". 75 is `EX_TEMPFAIL`
+of sysexits.h (a temporary failure; retrying is invited). `keras-dist-run
+--max-restarts` restarts the job on it; so can a Kubernetes Job's
+`podFailurePolicy` (`onExitCodes`) or a SLURM requeue.
+
+Defined here only: the tasks (`kd.callbacks.BackupAndRestore`, `kd.serve`)
+and the runners (the launcher, `keras_dist.ray`, the Kubernetes recipe)
+import it from this module, which loads neither Keras nor TensorFlow;
+`kd.callbacks.PREEMPTED_EXIT_CODE` is the same object."""
+
 SLURM_JOBS_ENV = "KERAS_DIST_SLURM_JOBS"
 """Environment variable naming the roles of a SLURM job step.
 

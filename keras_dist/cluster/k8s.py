@@ -29,7 +29,7 @@ Example:
 """
 
 from keras_dist.cluster import recipes
-from keras_dist.cluster.config import K8S_JOBS_ENV, parse_role_counts
+from keras_dist.cluster.config import K8S_JOBS_ENV, PREEMPTED_EXIT_CODE, parse_role_counts
 from keras_dist.cluster.slurm import role_ranks
 
 __all__ = ["k8s_job", "read_pod"]
@@ -51,10 +51,6 @@ GRACE_PERIOD = 30
 `kd.callbacks.BackupAndRestore` (`grace_period`) and `keras-dist-run`
 (`PREEMPTION_WAIT`) give a preempted task to back up and exit."""
 
-PREEMPTED_EXIT_CODE = 75
-"""What a task that backed up on SIGTERM exits with: the value of
-`kd.callbacks.PREEMPTED_EXIT_CODE`, repeated here because `kd.callbacks`
-imports Keras."""
 
 MIN_KUBERNETES = "1.31"
 """The oldest Kubernetes with every field the manifest uses on by default

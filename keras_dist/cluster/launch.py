@@ -30,7 +30,7 @@ import time
 from keras_dist.cluster import isolation
 from keras_dist.cluster import ports
 from keras_dist.cluster import recipes
-from keras_dist.cluster.config import ClusterConfig
+from keras_dist.cluster.config import PREEMPTED_EXIT_CODE, ClusterConfig
 
 GRACE_SECONDS = 5.0
 """Seconds stopped tasks get between SIGTERM and SIGKILL when the job ends."""
@@ -43,7 +43,6 @@ STATE_ENV = "KERAS_DIST_RUN_STATE"
 """A directory the launcher gives its tasks: `BackupAndRestore` notes there
 which backup is in force, and the launcher names it when it restarts the job."""
 
-PREEMPTED_EXIT_CODE = 75  # keras_dist.callbacks.backup.PREEMPTED_EXIT_CODE
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # keras_dist/
 
