@@ -15,6 +15,7 @@ import math
 import numbers
 import queue
 import threading
+import time
 import types
 import warnings
 from typing import Any, Optional
@@ -237,13 +238,23 @@ class _Releaser:
     (seen with `kd.fit` on 2 CPU replicas: one epoch boundary in ~20 fits).
     TensorFlow deletes a tensor with the GIL released, so here the wait
     happens beside training instead of in it.
+
+    A destructor may also never return (an iterator over a Python generator
+    that waits forever). One such iterator must not hold up every later one
+    of the process (their memory is freed only here): when each release
+    thread has been inside one destructor for `STUCK` seconds, the next
+    release starts another thread, up to `MAX_THREADS`.
     """
 
     _STOP = object()
+    STUCK = 5.0
+    MAX_THREADS = 8
+    NAME = "keras_dist-iterator-release"
 
     def __init__(self):
         self._queue = queue.SimpleQueue()
-        self._thread = None
+        self._threads = []
+        self._busy_since = {}  # thread -> when it entered the destructor it is in
         self._stopped = False
         self._lock = threading.Lock()
 
@@ -251,33 +262,44 @@ class _Releaser:
         with self._lock:
             if self._stopped:  # the interpreter is exiting: delete it here
                 return
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="keras_dist-iterator-release", daemon=True)
-                self._thread.start()
+            if not self._threads:
                 atexit.register(self._drain)
+            self._threads = [t for t in self._threads if t.is_alive()]
+            now = time.monotonic()
+            stuck = [t for t in self._threads
+                     if now - self._busy_since.get(t, now) >= self.STUCK]
+            if len(stuck) == len(self._threads) < self.MAX_THREADS:
+                thread = threading.Thread(target=self._run, name=self.NAME, daemon=True)
+                self._threads.append(thread)
+                thread.start()
             self._queue.put(obj)
 
     def _run(self):
+        me = threading.current_thread()
         while True:
             obj = self._queue.get()
             if obj is self._STOP:
                 return
+            self._busy_since[me] = time.monotonic()
             del obj  # the last reference: the iterator's destructor runs here
+            self._busy_since.pop(me, None)
 
     def _drain(self, timeout=10.0):
         """At exit, before the interpreter stops its daemon threads: one
         stopped in the middle of TensorFlow's destructor could abort the
         process (a training script would then exit non-zero). At most
-        `timeout` seconds: an iterator whose destructor never returns (one
-        over a Python generator that waits forever) kept a process from
+        `timeout` seconds in all: an iterator whose destructor never returns
+        (one over a Python generator that waits forever) kept a process from
         exiting at all."""
         with self._lock:
             self._stopped = True
-            thread = self._thread
-        self._queue.put(self._STOP)
-        thread.join(timeout)
-        if thread.is_alive():
+            threads = [t for t in self._threads if t.is_alive()]
+        for _ in threads:
+            self._queue.put(self._STOP)
+        deadline = time.monotonic() + timeout
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        if any(thread.is_alive() for thread in threads):
             logging.getLogger("keras_dist").warning(
                 "keras_dist: an input iterator was still being released %.0f s after the "
                 "program ended; exiting without waiting for it", timeout)
