@@ -208,11 +208,13 @@ def test_private_tf_and_keras_names_only_in_compat(path):
         "keras_dist._compat (with the reason there is no public route)")
 
 
-def test_the_preempted_exit_code_is_defined_once():
-    """Tasks and runners agree on 75 because they share one definition
-    (keras_dist/cluster/config.py, which loads neither Keras nor TensorFlow)."""
+@pytest.mark.parametrize("name", ["PREEMPTED_EXIT_CODE", "DEFAULT_GRACE_PERIOD"])
+def test_the_preemption_contract_is_defined_once(name):
+    """Tasks and runners agree on the exit code 75 and the 30 s grace period
+    because they share one definition (keras_dist/cluster/config.py, which
+    loads neither Keras nor TensorFlow)."""
     defined = [str(path.relative_to(PACKAGE)) for path in MODULES
                for node in ast.walk(ast.parse(path.read_text()))
                if isinstance(node, ast.Assign) and any(
-                   getattr(t, "id", None) == "PREEMPTED_EXIT_CODE" for t in node.targets)]
+                   getattr(t, "id", None) == name for t in node.targets)]
     assert defined == ["cluster/config.py"], defined

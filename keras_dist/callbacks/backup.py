@@ -20,6 +20,7 @@ import numpy as np
 
 from keras_dist import _compat
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
+from keras_dist.cluster.config import DEFAULT_GRACE_PERIOD
 from keras_dist.cluster.config import PREEMPTED_EXIT_CODE  # noqa: F401  (kd.callbacks' too)
 
 logger = logging.getLogger("keras_dist")
@@ -136,7 +137,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     _kd_ignores_batch_logs = True  # its batch hook counts steps (driver.reads_batch_logs)
 
     def __init__(self, backup_dir, save_freq="epoch", delete_checkpoint=True, keep=2,
-                 save_on_preemption=True, grace_period=30.0):
+                 save_on_preemption=True, grace_period=DEFAULT_GRACE_PERIOD):
         super().__init__()
         if not isinstance(backup_dir, (str, os.PathLike)) or not os.fspath(backup_dir):
             raise ValueError(

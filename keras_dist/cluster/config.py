@@ -32,6 +32,14 @@ and the runners (the launcher, `keras_dist.ray`, the Kubernetes recipe)
 import it from this module, which loads neither Keras nor TensorFlow;
 `kd.callbacks.PREEMPTED_EXIT_CODE` is the same object."""
 
+DEFAULT_GRACE_PERIOD = 30.0
+"""Seconds a preempted task has between SIGTERM and SIGKILL by default:
+Kubernetes' default `terminationGracePeriodSeconds`. The default of
+`kd.callbacks.BackupAndRestore(grace_period=)` and `kd.serve(grace_period=)`,
+the time `keras-dist-run` lets a preempted job's tasks exit by themselves,
+and the grace period of the Kubernetes Job it emits. Defined here only, as
+`PREEMPTED_EXIT_CODE` is."""
+
 SLURM_JOBS_ENV = "KERAS_DIST_SLURM_JOBS"
 """Environment variable naming the roles of a SLURM job step.
 

@@ -29,7 +29,8 @@ Example:
 """
 
 from keras_dist.cluster import recipes
-from keras_dist.cluster.config import K8S_JOBS_ENV, PREEMPTED_EXIT_CODE, parse_role_counts
+from keras_dist.cluster.config import (DEFAULT_GRACE_PERIOD, K8S_JOBS_ENV, PREEMPTED_EXIT_CODE,
+                                       parse_role_counts)
 from keras_dist.cluster.slurm import role_ranks
 
 __all__ = ["k8s_job", "read_pod"]
@@ -46,7 +47,7 @@ SERVICE_ENV = "KERAS_DIST_K8S_SERVICE"
 PORT_ENV = "KERAS_DIST_K8S_PORT"
 """Set by the manifest: the port every task serves on."""
 
-GRACE_PERIOD = 30
+GRACE_PERIOD = int(DEFAULT_GRACE_PERIOD)
 """`terminationGracePeriodSeconds`: Kubernetes' default, the time
 `kd.callbacks.BackupAndRestore` (`grace_period`) and `keras-dist-run`
 (`PREEMPTION_WAIT`) give a preempted task to back up and exit."""

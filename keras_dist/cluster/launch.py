@@ -30,12 +30,12 @@ import time
 from keras_dist.cluster import isolation
 from keras_dist.cluster import ports
 from keras_dist.cluster import recipes
-from keras_dist.cluster.config import PREEMPTED_EXIT_CODE, ClusterConfig
+from keras_dist.cluster.config import DEFAULT_GRACE_PERIOD, PREEMPTED_EXIT_CODE, ClusterConfig
 
 GRACE_SECONDS = 5.0
 """Seconds stopped tasks get between SIGTERM and SIGKILL when the job ends."""
 
-PREEMPTION_WAIT = 30.0
+PREEMPTION_WAIT = DEFAULT_GRACE_PERIOD
 """Seconds the launcher lets a preempted job's tasks save and exit by
 themselves (Kubernetes' default grace period) before stopping them."""
 

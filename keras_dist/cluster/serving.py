@@ -17,7 +17,7 @@ import time
 import tensorflow as tf
 
 from keras_dist import _runtime  # noqa: F401  (Keras backend and version checks)
-from keras_dist.cluster.config import PREEMPTED_EXIT_CODE, ClusterConfig
+from keras_dist.cluster.config import DEFAULT_GRACE_PERIOD, PREEMPTED_EXIT_CODE, ClusterConfig
 from keras_dist.cluster.keepalive import GRPC_KEEPALIVE  # noqa: F401  (kept at this path too)
 from keras_dist.cluster.ports import check_own_port
 
@@ -25,7 +25,6 @@ logger = logging.getLogger("keras_dist")
 
 _SERVERS = {}
 
-DEFAULT_GRACE_PERIOD = 30.0  # Kubernetes' default terminationGracePeriodSeconds
 
 
 def start_server(cluster):
