@@ -6,6 +6,7 @@ need the `ray` extra and run in `make test-ray`, not in `make test` (about
 3 minutes here). The others need neither Ray running nor installed.
 """
 
+import contextlib
 import json
 import os
 import re
@@ -59,11 +60,11 @@ def fresh_python(code):
     return proc.stdout
 
 
-def drive(args, act):
+def drive(args, act, env):
     """Runs `python -m keras_dist.ray ARGS`, calling `act(line, output so
     far)` on each output line until it returns something; returns the
     driver's exit code, its output and what `act` returned."""
-    driver = subprocess.Popen(RAY + args, cwd=REPO, env=ray_env(), stdout=subprocess.PIPE,
+    driver = subprocess.Popen(RAY + args, cwd=REPO, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
     output, acted = [], None
     try:
@@ -77,6 +78,56 @@ def drive(args, act):
             os.killpg(driver.pid, signal.SIGKILL)
             driver.wait()
     return driver.returncode, "".join(output), acted
+
+
+HOLDER = """
+import sys
+import ray
+ray.init(num_cpus=2, include_dashboard=False)
+print(ray.get_runtime_context().gcs_address, flush=True)
+sys.stdin.read()  # until the test closes it; ray.init's cluster ends with this process
+"""
+
+
+@contextlib.contextmanager
+def ray_holder(env):
+    """A Ray cluster held by a process of its own (`HOLDER`); yields its
+    address, and stops it on the way out."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER], cwd=REPO, env=env,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    try:
+        address = holder.stdout.readline().strip()
+        assert re.fullmatch(r"[\d.]+:\d+", address), address
+        yield address, holder
+    finally:
+        holder.stdin.close()
+        try:
+            holder.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(holder.pid, signal.SIGKILL)
+            holder.wait()
+
+
+@pytest.fixture(scope="module")
+def on_one_head():
+    """The environment of a job on this module's one Ray cluster
+    (`RAY_ADDRESS`: the driver's `ray.init()` connects to it). Starting and
+    stopping Ray took ~8 s per test; the tests of what Ray's own start does
+    (test_a_function_runs_on_every_task_and_nothing_is_left: a driver that
+    starts Ray itself; test_an_existing_ray_cluster_by_address_...: one with
+    token authentication, by --address) keep theirs. On a cluster that
+    outlives the job nothing of the job is torn down by Ray's own shutdown:
+    the checks that no task actor or process is left see what the driver
+    stopped itself. (Ray turns token authentication on for a cluster it
+    starts; a driver joining one needs the token: here one of our own.)"""
+    auth = dict(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
+    # Its actors run a task's `python` from the PATH the cluster started
+    # with (not the driver's): this clone's environment first, as on a node
+    # set up for the job.
+    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]])
+    with ray_holder(ray_env(PATH=path, **auth)) as (address, _):
+        yield ray_env(RAY_ADDRESS=address, PATH=path, **auth)
 
 
 # ---------------------------------------------------------------- no Ray needed
@@ -140,9 +191,9 @@ def test_bad_command_lines_fail_fast_with_a_clear_message(args, message):
 @pytest.mark.ray
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-def test_multiworker_mirrored_workers_train_in_sync(tmp_path):
+def test_multiworker_mirrored_workers_train_in_sync(tmp_path, on_one_head):
     proc = run_cli(["--workers", "2", "--", sys.executable, "tests/scripts/mwms_worker.py",
-                    str(tmp_path)])
+                    str(tmp_path)], env=on_one_head)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     import numpy as np
 
@@ -161,7 +212,7 @@ def test_multiworker_mirrored_workers_train_in_sync(tmp_path):
 @pytest.mark.ray
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-def test_asynchronous_training_on_actors_survives_a_killed_worker(tmp_path):
+def test_asynchronous_training_on_actors_survives_a_killed_worker(tmp_path, on_one_head):
     """A chief, 2 workers and 1 ps, each a Ray actor's process, find each
     other at the ports their actors chose; SIGKILL worker 1's process in
     epoch 3, from outside: its actor starts it again at its address and it
@@ -182,7 +233,8 @@ def test_asynchronous_training_on_actors_survives_a_killed_worker(tmp_path):
             return killed[0]
 
     code, text, killed = drive(["--workers", "2", "--ps", "1", "--", sys.executable,
-                                "tests/scripts/ps_long.py", str(tmp_path), "150"], kill_worker_1)
+                                "tests/scripts/ps_long.py", str(tmp_path), "150"], kill_worker_1,
+                                on_one_head)
     assert killed is not None and code == 0, text[-3000:]
     assert "worker:1 exited with code -9; restarting it (1/3)" in text
     restarted = re.findall(r"started worker:1 \(pid (\d+) on ([\d.]+)\)", text)
@@ -240,7 +292,7 @@ def test_a_function_runs_on_every_task_and_nothing_is_left(tmp_path):
 @pytest.mark.ray
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_sigterm_to_the_driver_stops_every_task_and_actor(tmp_path):
+def test_sigterm_to_the_driver_stops_every_task_and_actor(tmp_path, on_one_head):
     marker = f"kd-ray-{os.getpid()}-term"
     script = tmp_path / "task.py"
     script.write_text(
@@ -250,7 +302,7 @@ def test_sigterm_to_the_driver_stops_every_task_and_actor(tmp_path):
         "time.sleep(600)\n")
     driver = subprocess.Popen(
         RAY + ["--workers", "2", "--ps", "1", "--", sys.executable, str(script), marker],
-        cwd=REPO, env=ray_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=REPO, env=on_one_head, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True)
     output = []
     try:
@@ -285,7 +337,7 @@ def test_sigterm_to_the_driver_stops_every_task_and_actor(tmp_path):
 @pytest.mark.ray
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-def test_a_lost_chief_actor_restarts_the_job_from_its_backup(tmp_path):
+def test_a_lost_chief_actor_restarts_the_job_from_its_backup(tmp_path, on_one_head):
     """SIGKILL the chief's actor (as when its node is lost) mid-epoch: its
     task dies with it, every other task is stopped, and the job starts again
     on new actors, resuming from BackupAndRestore's newest backup; every
@@ -302,7 +354,7 @@ def test_a_lost_chief_actor_restarts_the_job_from_its_backup(tmp_path):
     code, text, actor = drive(["--workers", "2", "--ps", "1", "--", sys.executable,
                                "tests/scripts/preempt_train.py", str(tmp_path),
                                str(tmp_path / "backup"), str(epochs), "10"],
-                              kill_the_chiefs_actor)
+                              kill_the_chiefs_actor, on_one_head)
     assert actor is not None and code == 0, text[-4000:]
     assert re.search(r"chief:0 was killed by SIGKILL; restarting the job \(1/3\), resuming "
                      r"from \S+backup\S*", text), text[-4000:]
@@ -320,7 +372,7 @@ def test_a_lost_chief_actor_restarts_the_job_from_its_backup(tmp_path):
 @pytest.mark.ray
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-def test_the_docs_page_examples_run(tmp_path):
+def test_the_docs_page_examples_run(tmp_path, on_one_head):
     """docs/ray.md's examples, which the docs test skips (Ray is an extra),
     run here as pasted: the command in a fresh directory beside the clone's
     examples/, the function block as a file of its own."""
@@ -335,8 +387,7 @@ def test_the_docs_page_examples_run(tmp_path):
     assert elsewhere == [blocks[0].code], elsewhere
     os.symlink(os.path.join(REPO, "examples"), tmp_path / "examples")
     (tmp_path / "example.py").write_text(blocks[1].code)
-    env = ray_env()
-    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env["PATH"]])
+    env = on_one_head  # `python` is this clone's, on the driver and the actors
     for argv, promise in ((["bash", "-eo", "pipefail", "-c", blocks[0].code],
                            "[chief:0] Epoch 2/2"),
                           (["python", "example.py"], "exit code 0")):
@@ -350,7 +401,7 @@ def test_the_docs_page_examples_run(tmp_path):
 @pytest.mark.ray
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-def test_a_taken_port_restarts_the_job_on_new_actors_and_ports(tmp_path):
+def test_a_taken_port_restarts_the_job_on_new_actors_and_ports(tmp_path, on_one_head):
     """Another program listens on worker 1's port on its node: the task says
     so in one line, its actor confirms it on that node, and the job restarts
     on new ports (not worker 1 alone on the taken one)."""
@@ -360,7 +411,7 @@ def test_a_taken_port_restarts_the_job_on_new_actors_and_ports(tmp_path):
     try:
         proc = run_cli(["--workers", "2", "--ps", "1", "--", sys.executable,
                         "tests/scripts/squat_port.py", "worker:1", str(state),
-                        "tests/scripts/ps_train.py", str(out)])
+                        "tests/scripts/ps_train.py", str(out)], env=on_one_head)
         output = proc.stdout + proc.stderr
         assert proc.returncode == 0, output[-6000:]
         port = int(re.search(r"\[worker:1\] squat_port: another program now listens on port "
@@ -379,15 +430,6 @@ def test_a_taken_port_restarts_the_job_on_new_actors_and_ports(tmp_path):
         stop_squatter(state)
 
 
-HOLDER = """
-import sys
-import ray
-ray.init(num_cpus=2, include_dashboard=False)
-print(ray.get_runtime_context().gcs_address, flush=True)
-sys.stdin.read()  # until the test closes it; ray.init's cluster ends with this process
-"""
-
-
 @pytest.mark.ray
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
@@ -398,12 +440,7 @@ def test_an_existing_ray_cluster_by_address_trains_and_is_left_running(tmp_path)
     # exists (~/.ray/auth_token), here with a token of the test's own.
     token = secrets.token_hex(32)
     auth = dict(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER], cwd=REPO, env=ray_env(**auth),
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                              start_new_session=True)
-    try:
-        address = holder.stdout.readline().strip()
-        assert re.fullmatch(r"[\d.]+:\d+", address), address
+    with ray_holder(ray_env(**auth)) as (address, holder):
         args = ["--address", address, "--workers", "2", "--ps", "1", "--",
                 sys.executable, "tests/scripts/ps_train.py", str(tmp_path)]
         # Without the token the driver is refused, and told what to set.
@@ -426,10 +463,3 @@ def test_an_existing_ray_cluster_by_address_trains_and_is_left_running(tmp_path)
                             "print(ray.cluster_resources()['CPU'])\n")
         assert cpus.strip().splitlines()[-1] == "2.0", cpus
         assert holder.poll() is None
-    finally:
-        holder.stdin.close()
-        try:
-            holder.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(holder.pid, signal.SIGKILL)
-            holder.wait()
