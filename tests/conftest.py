@@ -228,6 +228,12 @@ SHARED_SCENARIOS = {
     "test_dana::test_dana_on_a_real_cluster": ("ps_dana.py",),
     "test_local_wrappers::test_wrappers_in_local_steps_on_a_real_cluster": (
         "ps_local_wrappers.py", "train"),
+    # The docs' cluster scripts of this shape (test_docs_examples checks that
+    # each of them is here, and nothing else of the docs).
+    "test_docs_examples::test_cluster_block[docs/getting-started.md:119]": (
+        "docs_block.py", "docs/getting-started.md:119"),
+    "test_docs_examples::test_cluster_block[docs/local-steps.md:11]": (
+        "docs_block.py", "docs/local-steps.md:11"),
     # The failing scenarios last: each checks the cluster trains again after it.
     "test_local_wrappers::test_nonfinite_raise_with_local_steps_on_a_real_cluster": (
         "ps_local_wrappers.py", "raise"),

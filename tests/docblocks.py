@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 
@@ -233,6 +234,32 @@ def scripts(blocks):
                                 f"block: a complete script is one block")
         previous[block.page] = (block, script)
     return found, problems
+
+
+def all_scripts():
+    """`scripts(...)` of every page's blocks (a page whose markers do not
+    parse is left out: test_docs_examples reports it)."""
+    blocks = []
+    for page in PAGES:
+        try:
+            blocks.extend(parse_page(page))
+        except ValueError:
+            pass
+    return scripts(blocks)[0]
+
+
+def fill_workdir(path, page, all_found):
+    """Makes `path` a job's work directory for `page`: links to the clone's
+    entries, and the page's `file` blocks written out (`all_found`: the
+    `Script`s of every page)."""
+    files = {s.head.marker("file"): s.code for s in all_found
+             if s.head.page == page and s.kind == "file"}
+    for name in os.listdir(REPO):
+        if name not in (".git", *files):
+            os.symlink(os.path.join(REPO, name), os.path.join(path, name))
+    for name, code in files.items():
+        with open(os.path.join(path, name), "w") as f:
+            f.write(textwrap.dedent(code).lstrip())
 
 
 def shell_commands(block):

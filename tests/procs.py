@@ -280,11 +280,16 @@ class SharedCluster:
                               timeout=SHARED_TIMEOUT)
         self.returncode, self.output = proc.returncode, proc.stdout + proc.stderr
 
-    def result(self, item):
+    def ran(self, item):
+        """Fails unless the test item's script ran to its end and the whole
+        run succeeded; returns the script's out_dir."""
         key = scenario_key(item)
         out_dir = self.dirs[key]
         error = out_dir / "error.txt"
         assert not error.exists(), f"{self.scripts[key]} raised:\n{error.read_text()[-4000:]}"
         assert self.returncode == 0, self.output[-6000:]
-        with open(out_dir / "result.json") as f:
+        return out_dir
+
+    def result(self, item):
+        with open(self.ran(item) / "result.json") as f:
             return json.load(f), self.output

@@ -53,7 +53,11 @@ the site), one directive each, several allowed:
   page's work directory, for a shell block to run; not run by itself.
 - `<!-- docs-test: cluster ARGS -->`: the Python block runs as a script
   under `python -m keras_dist.cluster.launch ARGS -- python SCRIPT`; the launcher
-  must exit 0.
+  must exit 0. With ARGS `--workers 2 --ps 1` the script runs instead as a
+  scenario of the session's shared cluster of that shape (conftest's
+  `SHARED_SCENARIOS`, tests/scripts/docs_block.py: the chief runs it as
+  `__main__` in a work directory of its own, with the same epoch limit),
+  which must run it to its end.
 - `<!-- docs-test: continue -->`: the Python block continues the page's
   previous Python block (same process and namespace, or appended to its
   `file` / `cluster` script). The last sentence of the prose right above
@@ -93,12 +97,13 @@ import re
 import shutil
 import sys
 import tempfile
-import textwrap
 
 import pytest
 
 import docblocks
+from conftest import SHARED_SCENARIOS
 from docblocks import REPO
+from procs import SHARED_TIMEOUT
 
 VENV_BIN = os.path.join(REPO, ".venv", "bin")
 PYTHON = os.path.join(VENV_BIN, "python") if os.path.exists(
@@ -143,14 +148,7 @@ class _Workdirs:
     def make(self, page, job):
         path = os.path.join(self.root, re.sub(r"\W", "_", page) + "-" + job)
         os.makedirs(path)
-        files = {s.head.marker("file"): s.code for s in SCRIPTS
-                 if s.head.page == page and s.kind == "file"}
-        for name in os.listdir(REPO):
-            if name not in (".git", *files):
-                os.symlink(os.path.join(REPO, name), os.path.join(path, name))
-        for name, code in files.items():
-            with open(os.path.join(path, name), "w") as f:
-                f.write(textwrap.dedent(code).lstrip())
+        docblocks.fill_workdir(path, page, SCRIPTS)
         return path
 
 
@@ -276,7 +274,8 @@ def jobs(request):
         if item.module is sys.modules[__name__] and item.originalname in wanted:
             order, job = wanted[item.originalname]
             key = item.callspec.params["key"]
-            selected.append((order, key, job))
+            if job is not _cluster_job or not _in_shared_cluster(key):
+                selected.append((order, key, job))
     for _, key, job in sorted(selected, key=lambda t: t[0]):  # long jobs first
         runner.submit((job.__name__, key), job, workdirs, key)
     yield runner
@@ -560,14 +559,42 @@ def test_python_blocks(key, jobs):
 
 
 # ---------------------------------------------------------------- cluster
+# The cluster scripts of the shared cluster's shape run there (a scenario
+# each: tests/scripts/docs_block.py), not on a 4-process cluster of their own.
+SHARED_SHAPE = ["--workers", "2", "--ps", "1"]
+
+
+def _in_shared_cluster(key):
+    return f"test_docs_examples::test_cluster_block[{key}]" in SHARED_SCENARIOS
+
+
+def test_the_shared_clusters_shape_runs_there_and_nothing_else():
+    """conftest's SHARED_SCENARIOS names each cluster script of that shape
+    (by its page and line: a script that moved fails here, naming both)."""
+    shaped = {key for key, s in CLUSTERS.items() if s.head.marker("cluster").split() == SHARED_SHAPE}
+    listed = {key.split("[", 1)[1][:-1] for key in SHARED_SCENARIOS
+              if key.startswith("test_docs_examples::test_cluster_block[")}
+    assert shaped == listed, (f"docs cluster scripts of shape {' '.join(SHARED_SHAPE)}: "
+                              f"{sorted(shaped)}; in conftest's SHARED_SCENARIOS: {sorted(listed)}")
+    assert all(SHARED_SCENARIOS[f"test_docs_examples::test_cluster_block[{key}]"] == (
+        "docs_block.py", key) for key in listed)
+
+
 @pytest.mark.multiprocess
-@pytest.mark.timeout(JOB_WAIT)
+@pytest.mark.timeout(JOB_WAIT + SHARED_TIMEOUT)  # it may be the one that starts the shared cluster
 @pytest.mark.parametrize("key", sorted(CLUSTERS))
-def test_cluster_block(key, jobs):
-    result = jobs.result(("_cluster_job", key))
-    _report(key, "cluster", result)
-    assert result.rc == 0, f"{key}: the cluster run failed (exit {result.rc}):\n{_tail(result.out)}"
-    _check_expect(CLUSTERS[key].head, result.out)
+def test_cluster_block(key, request):
+    if _in_shared_cluster(key):
+        shared = request.getfixturevalue("shared_cluster")
+        shared.ran(request.node)
+        output = shared.output
+    else:
+        result = request.getfixturevalue("jobs").result(("_cluster_job", key))
+        _report(key, "cluster", result)
+        assert result.rc == 0, (f"{key}: the cluster run failed (exit {result.rc}):\n"
+                                f"{_tail(result.out)}")
+        output = result.out
+    _check_expect(CLUSTERS[key].head, output)
 
 
 # ---------------------------------------------------------------- shell
