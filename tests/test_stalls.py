@@ -64,11 +64,15 @@ class Cluster:
         found = re.findall(rf"started {task} \(pid (\d+)\)", self.output)
         return int(found[-1])
 
-    def wait_for_epochs(self, n, timeout=180):
+    def _until(self, done, timeout):
+        """Waits for `done()`, failing if the run ends or `timeout` s pass."""
         deadline = time.monotonic() + timeout
-        while len(self.epoch_ends) < n:
+        while not done():
             assert self.proc.poll() is None and time.monotonic() < deadline, self.output[-4000:]
             time.sleep(0.05)
+
+    def wait_for_epochs(self, n, timeout=180):
+        self._until(lambda: len(self.epoch_ends) >= n, timeout)
 
     def stop_after(self, more, worker=None, timeout=180, phase=None):
         """Lets `more` epochs end from now (and, with `worker`, until one of
@@ -76,21 +80,17 @@ class Cluster:
         at the end of its next (ps_stall.py's stop file): a run as long as
         the test needs, on a fast or a loaded machine alike."""
         first = len(self.epoch_ends)
-        deadline = time.monotonic() + timeout
-        while len(self.epoch_ends) < first + more or worker is not None and not any(
-                u.get(worker, 0) for u in self.updates[first:]):
-            assert self.proc.poll() is None and time.monotonic() < deadline, self.output[-4000:]
-            time.sleep(0.05)
+        self._until(lambda: len(self.epoch_ends) >= first + more and (worker is None or any(
+            u.get(worker, 0) for u in self.updates[first:])), timeout)
         (self.tmp_path / (phase or "") / "stop").touch()
 
     def wait_for_phase(self, name, epochs, timeout=180):
         """Waits until phase `name` has ended `epochs` epochs."""
-        deadline = time.monotonic() + timeout
-        while name not in self.phases or len(self.epoch_ends) < self.phases[name] + epochs:
-            assert self.proc.poll() is None and time.monotonic() < deadline, self.output[-4000:]
-            time.sleep(0.05)
+        self._until(lambda: name in self.phases
+                    and len(self.epoch_ends) >= self.phases[name] + epochs, timeout)
 
-    def finish(self, timeout, phases=None):
+    def finish(self, timeout):
+        """Waits for the run to end, and fails unless it ended well."""
         try:
             self.proc.wait(timeout)
         finally:
@@ -99,11 +99,11 @@ class Cluster:
                 self.proc.wait()
             self._reader.join(10)
         assert self.proc.returncode == 0, self.output[-6000:]
-        results = {}
-        for phase in phases or [""]:
-            with open(self.tmp_path / phase / "result.json") as f:
-                results[phase] = json.load(f)
-        return results if phases else results[""]
+
+    def result(self, phase=""):
+        """The chief's result.json (of ps_stall.py's phase `phase`)."""
+        with open(self.tmp_path / phase / "result.json") as f:
+            return json.load(f)
 
 
 def epoch_seconds(result):
@@ -138,7 +138,8 @@ def test_a_stopped_worker_holds_only_its_own_step_and_an_idle_cluster_is_never_s
         os.kill(worker1, signal.SIGCONT)
     continued_at = time.time()
     cluster.stop_after(3, worker="1")
-    result = cluster.finish(timeout=400)
+    cluster.finish(timeout=400)
+    result = cluster.result()
     output = cluster.output
 
     # Training went on at one worker's rate at least: the epochs run
@@ -192,7 +193,8 @@ def test_a_worker_stopped_for_good_is_declared_lost_and_its_step_runs_elsewhere(
         assert cluster.proc.poll() is None and time.monotonic() < deadline, cluster.output[-4000:]
         time.sleep(0.1)
     cluster.stop_after(2)
-    result = cluster.finish(timeout=240)
+    cluster.finish(timeout=240)
+    result = cluster.result()
     # The launcher stopped the frozen process too and left nothing behind.
     with pytest.raises(ProcessLookupError):
         os.kill(worker1, 0)
@@ -217,7 +219,8 @@ def test_short_stops_duty_cycle(tmp_path, per_call, local):
     cluster = Cluster(tmp_path, epochs, steps, per_call, local)
     cluster.wait_for_epochs(1)
     with kd.testing.throttle(cluster.pid("worker:1"), period=0.1, stopped=0.75):
-        result = cluster.finish(timeout=240)
+        cluster.finish(timeout=240)
+        result = cluster.result()
     counts = check_counts(result, local=local)
     assert counts["lost"] == 0, counts
     total = {w: sum(e.get(w, 0) for e in result["updates_per_epoch"][1:]) for w in "01"}
@@ -246,10 +249,10 @@ def test_a_stopped_worker_under_dana_and_easgd(tmp_path):
         finally:
             os.kill(worker1, signal.SIGCONT)
         cluster.stop_after(2, phase=mode)
-    results = cluster.finish(timeout=400, phases=list(phases))
+    cluster.finish(timeout=400)
     assert cluster.pid("worker:1") == worker1  # the same process throughout
     for mode, local in phases.items():
-        result = results[mode]
+        result = cluster.result(mode)
         seconds = epoch_seconds(result)
         # Nobody waited for the 20 s. Local rounds return their results: a
         # worker stopped while the chief copies one holds everyone until it is
