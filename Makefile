@@ -11,7 +11,7 @@ $(PY):
 	$(PY) -m pip install --quiet --upgrade pip
 
 $(STAMP): pyproject.toml constraints.txt | $(PY)
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,examples,docs]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,examples,docs,ray]'
 	touch $(STAMP)
 
 ## install: this checkout's environment, .venv (every target below does it first)
@@ -21,13 +21,13 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/keras-dist-run --workers 2 --ps 1 -- $(PY) examples/train_digits.py
 
-## test: the whole test suite but Ray's on $(TEST_WORKERS) xdist workers (tests/suite_plan.py),
+## test: the whole test suite, Ray's too, on $(TEST_WORKERS) xdist workers (tests/suite_plan.py),
 ## then the 20 slowest tests (every test's seconds: $(DURATIONS)), then the docs build.
 ## pytest exit 5, "no tests ran", counts as failure.
 TEST_WORKERS ?= 2
 DURATIONS    := logs/test-durations.json
 test: $(STAMP)
-	@$(PY) -m pytest -m "not ray" -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder \
+	@$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder \
 	    --durations-json=$(DURATIONS); rc=$$?; \
 	$(PY) tools/durations.py $(DURATIONS) --top 20 || true; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; \
@@ -39,9 +39,8 @@ test: $(STAMP)
 durations:
 	$(PY) tools/durations.py $(DURATIONS) --top 40 --write
 
-## test-ray: keras_dist.ray's tests on a local Ray (installs the ray extra; ~3 min on 2 cores)
+## test-ray: only keras_dist.ray's tests on a local Ray (make test runs them too; ~5 min on 2 cores)
 test-ray: $(STAMP)
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[ray]'
 	$(PY) -m pytest -m ray tests/test_ray.py
 
 docs: $(STAMP)
