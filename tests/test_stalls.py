@@ -64,7 +64,7 @@ class Cluster:
         found = re.findall(rf"started {task} \(pid (\d+)\)", self.output)
         return int(found[-1])
 
-    def _until(self, done, timeout):
+    def until(self, done, timeout):
         """Waits for `done()`, failing if the run ends or `timeout` s pass."""
         deadline = time.monotonic() + timeout
         while not done():
@@ -72,7 +72,7 @@ class Cluster:
             time.sleep(0.05)
 
     def wait_for_epochs(self, n, timeout=180):
-        self._until(lambda: len(self.epoch_ends) >= n, timeout)
+        self.until(lambda: len(self.epoch_ends) >= n, timeout)
 
     def stop_after(self, more, worker=None, timeout=180, phase=None):
         """Lets `more` epochs end from now (and, with `worker`, until one of
@@ -80,13 +80,13 @@ class Cluster:
         at the end of its next (ps_stall.py's stop file): a run as long as
         the test needs, on a fast or a loaded machine alike."""
         first = len(self.epoch_ends)
-        self._until(lambda: len(self.epoch_ends) >= first + more and (worker is None or any(
+        self.until(lambda: len(self.epoch_ends) >= first + more and (worker is None or any(
             u.get(worker, 0) for u in self.updates[first:])), timeout)
         (self.tmp_path / (phase or "") / "stop").touch()
 
     def wait_for_phase(self, name, epochs, timeout=180):
         """Waits until phase `name` has ended `epochs` epochs."""
-        self._until(lambda: name in self.phases
+        self.until(lambda: name in self.phases
                     and len(self.epoch_ends) >= self.phases[name] + epochs, timeout)
 
     def finish(self, timeout):
@@ -179,36 +179,6 @@ def test_a_stopped_worker_holds_only_its_own_step_and_an_idle_cluster_is_never_s
     assert extra["version"] - result["version"] == steps, extra
 
 
-@pytest.mark.alone
-def test_a_worker_stopped_for_good_is_declared_lost_and_its_step_runs_elsewhere(tmp_path):
-    epochs, steps = 200, 200
-    cluster = Cluster(tmp_path, epochs, steps)
-    cluster.wait_for_epochs(2)
-    worker1 = cluster.pid("worker:1")
-    os.kill(worker1, signal.SIGSTOP)  # never continued
-    stopped_at = time.monotonic()
-    lost = "Worker /job:worker/replica:0/task:1 failed with UnavailableError"
-    deadline = stopped_at + 120
-    while lost not in cluster.output:
-        assert cluster.proc.poll() is None and time.monotonic() < deadline, cluster.output[-4000:]
-        time.sleep(0.1)
-    cluster.stop_after(2)
-    cluster.finish(timeout=240)
-    result = cluster.result()
-    # The launcher stopped the frozen process too and left nothing behind.
-    with pytest.raises(ProcessLookupError):
-        os.kill(worker1, 0)
-    times = result["epoch_times"]
-    # Nobody waited for it: its step was replaced after ~2 s.
-    seconds = epoch_seconds(result)
-    assert seconds.max() < 12, seconds.tolist()
-    assert all(e.get("1", 0) == 0 for e in result["updates_per_epoch"][3:])
-    counts = check_counts(result)
-    assert counts["lost"] == 0, counts  # the stuck step was rerun on worker 0
-    assert result["test_accuracy"] >= ASYNC_LEARNS
-    assert len(times) >= 5 and time.monotonic() - stopped_at < 200
-
-
 # (One step per call: tests/test_stragglers.py's asynchronous throttled
 # worker, 60 ms of every 100 ms, checks the same counts.)
 @pytest.mark.parametrize("per_call, local", [(10, 1), (1, 8)], ids=["spe10", "local8"])
@@ -228,19 +198,25 @@ def test_short_stops_duty_cycle(tmp_path, per_call, local):
     assert result["test_accuracy"] >= 0.85
 
 
+LOST = "Worker /job:worker/replica:0/task:1 failed with UnavailableError"
+
+
 @pytest.mark.alone
-def test_a_stopped_worker_under_dana_and_easgd(tmp_path):
+@pytest.mark.timeout(480)
+def test_a_stopped_worker_under_dana_and_easgd_then_one_stopped_for_good(tmp_path):
     """The per-worker state of DANA (a velocity per worker) and EASGD (a
     copy of the weights per worker) survives a worker stopped for 20 s
     (longer than the 15 s an epoch may take here): its step or round lands
     late or is rerun by the other worker, with that worker's own state.
-    One cluster, DANA's run then EASGD's (4 local steps): each has worker 1
-    stopped once."""
-    phases = {"dana": 1, "easgd": 4}
+    Then, in a plain run, the same worker is stopped for good: it is
+    declared lost, its step runs elsewhere and the launcher stops it at the
+    end. One cluster, DANA's run, EASGD's (4 local steps), then the plain
+    one (ps_stall.py's phases)."""
+    phases = {"dana": 1, "easgd": 4, "plain": 1}
     cluster = Cluster(tmp_path, "phases", 200, 160, 1,
                       ",".join(f"{m}:{local}" for m, local in phases.items()))
     worker1 = None
-    for mode in phases:
+    for mode in ("dana", "easgd"):
         cluster.wait_for_phase(mode, 2)
         worker1 = worker1 or cluster.pid("worker:1")
         os.kill(worker1, signal.SIGSTOP)
@@ -249,9 +225,16 @@ def test_a_stopped_worker_under_dana_and_easgd(tmp_path):
         finally:
             os.kill(worker1, signal.SIGCONT)
         cluster.stop_after(2, phase=mode)
-    cluster.finish(timeout=400)
+    cluster.wait_for_phase("plain", 2)
+    os.kill(worker1, signal.SIGSTOP)  # never continued
+    stopped_at, seen = time.monotonic(), len(cluster.output)
+    cluster.until(lambda: LOST in cluster.output[seen:], 120)
+    cluster.stop_after(2, phase="plain")
+    cluster.finish(timeout=240)
     assert cluster.pid("worker:1") == worker1  # the same process throughout
     for mode, local in phases.items():
+        if mode == "plain":
+            continue
         result = cluster.result(mode)
         seconds = epoch_seconds(result)
         # Nobody waited for the 20 s. Local rounds return their results: a
@@ -266,3 +249,18 @@ def test_a_stopped_worker_under_dana_and_easgd(tmp_path):
         # check_counts finds it in the version.
         assert counts["lost"] <= local, (mode, counts)
         assert result["test_accuracy"] >= 0.85, mode
+
+    # Stopped for good: the launcher stopped the frozen process too and
+    # left nothing behind.
+    with pytest.raises(ProcessLookupError):
+        os.kill(worker1, 0)
+    result = cluster.result("plain")
+    times = result["epoch_times"]
+    # Nobody waited for it: its step was replaced after ~2 s.
+    seconds = epoch_seconds(result)
+    assert seconds.max() < 12, seconds.tolist()
+    assert all(e.get("1", 0) == 0 for e in result["updates_per_epoch"][3:])
+    counts = check_counts(result)
+    assert counts["lost"] == 0, counts  # the stuck step was rerun on worker 0
+    assert result["test_accuracy"] >= ASYNC_LEARNS
+    assert len(times) >= 5 and time.monotonic() - stopped_at < 200
