@@ -15,10 +15,7 @@ Work units (one worker runs all of a unit's tests, in order):
   tests that start no process, as a CPU hog beside it would.
 - tests that share the session's cluster (the shared parameter-server
   cluster of `SHARED_SCENARIOS`): one unit, so the cluster is started
-  once, not once per worker;
-- `@pytest.mark.ray` tests (tests/test_ray.py): one unit, so the module's
-  Ray head starts once and no two Ray clusters run at once; it mostly
-  waits (actors restarting), so the other worker works meanwhile
+  once, not once per worker
   (a reference run several tests compare against is made once per run by
   conftest's `made_once` instead; the docs examples and test_shapes run
   their own job queues only without xdist: under it, each test runs its
@@ -55,7 +52,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 EXPECTED = os.path.join(HERE, "durations.json")
 UNKNOWN_SECONDS = 1.0
 ALONE = "alone"
-RAY = "ray"
 
 def expected_durations(path=EXPECTED):
     """{nodeid: seconds} of the last recorded run; {} if there is none."""
@@ -74,8 +70,6 @@ def unit_of(item, shared_keys):
         return ALONE
     if f"{module}::{item.name}" in shared_keys:
         return "shared_cluster"
-    if item.get_closest_marker("ray") is not None:
-        return RAY
     return None
 
 

@@ -2,11 +2,8 @@
 
 The tests marked `ray` start Ray (`ray.init()`: a head node of its own
 processes, ~4 s) and whole clusters of TensorFlow tasks on its actors; they
-need the `ray` extra (`make install` puts it in .venv) and run in `make test`
-as one work unit on one xdist worker (tests/suite_plan.py; ~5 minutes, most
-of it waiting on restarts, while the other worker runs other tests).
-`make test-ray` runs only them. The others need neither Ray running nor
-installed.
+need the `ray` extra and run in `make test-ray`, not in `make test` (about
+3 minutes here). The others need neither Ray running nor installed.
 """
 
 import contextlib
@@ -376,10 +373,10 @@ def test_a_lost_chief_actor_restarts_the_job_from_its_backup(tmp_path, on_one_he
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_the_docs_page_examples_run(tmp_path, on_one_head):
-    """docs/ray.md's examples, which the docs test leaves to this one (its
-    `covered` markers name it), run here as pasted on the module's Ray head:
-    the command in a fresh directory beside the clone's examples/, the
-    function block as a file of its own."""
+    """docs/ray.md's examples, which the docs test leaves to this one (their
+    `covered` markers name it: Ray is an extra), run here as pasted: the
+    command in a fresh directory beside the clone's examples/, the function
+    block as a file of its own."""
     from docblocks import parse_page
 
     def ours(block):

@@ -38,26 +38,19 @@ def test_alone_tests_go_first_then_those_without_processes_then_clusters_longest
         FakeItem("test_e", "tiny_cluster", "multiprocess"),
         FakeItem("test_a", "in_process_2"),
         FakeItem("test_d", "timed_too", "multiprocess", "alone"),
-        FakeItem("test_r", "on_ray_1", "multiprocess", "ray"),
-        FakeItem("test_r", "off_ray", "multiprocess"),
-        FakeItem("test_r", "on_ray_2", "multiprocess", "ray"),
     ]
     expected = {"tests/test_a.py::short_cluster": 10, "tests/test_a.py::long_cluster": 50,
                 "tests/test_b.py::shared_1": 30, "tests/test_b.py::shared_2": 30,
-                "tests/test_e.py::tiny_cluster": 5, "tests/test_a.py::in_process_2": 3,
-                "tests/test_r.py::on_ray_1": 20, "tests/test_r.py::on_ray_2": 20,
-                "tests/test_r.py::off_ray": 1}
+                "tests/test_e.py::tiny_cluster": 5, "tests/test_a.py::in_process_2": 3}
     named = suite_plan.plan(items, {"test_b::shared_1", "test_b::shared_2"}, expected)
     assert [i.name for i in items] == [
         "timed", "timed_too",                # the alone unit, in collected order
         "in_process_2", "in_process_1",      # no processes: longest first
         "shared_1", "shared_2",              # 60 s as one unit
-        "long_cluster", "on_ray_1", "on_ray_2",  # Ray's: 40 s as one unit
-        "short_cluster", "tiny_cluster", "off_ray"]
+        "long_cluster", "short_cluster", "tiny_cluster"]
     assert named == {"tests/test_c.py::timed": "alone", "tests/test_d.py::timed_too": "alone",
                      "tests/test_b.py::shared_1": "shared_cluster",
-                     "tests/test_b.py::shared_2": "shared_cluster",
-                     "tests/test_r.py::on_ray_1": "ray", "tests/test_r.py::on_ray_2": "ray"}
+                     "tests/test_b.py::shared_2": "shared_cluster"}
 
 
 _TRY_SHARED = """
