@@ -4,14 +4,18 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-ray durations docs bench dist compat compat-env keras-suite clean
+.PHONY: install demo test test-ray durations docs bench dist compat compat-env conformance-table keras-suite clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 
 $(STAMP): pyproject.toml constraints.txt | $(PY)
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,examples,docs,ray]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,examples,docs]'
+	@# Bytecode for this checkout's own modules, which a PYTHONDONTWRITEBYTECODE
+	@# environment never caches: each task process of the tests imports them
+	@# (~0.2 CPU-s a process to compile; a stale file is recompiled in memory).
+	$(PY) -m compileall -q keras_dist tests tools examples benchmarks > /dev/null
 	touch $(STAMP)
 
 ## install: this checkout's environment, .venv (every target below does it first)
@@ -21,13 +25,13 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/keras-dist-run --workers 2 --ps 1 -- $(PY) examples/train_digits.py
 
-## test: the whole test suite, Ray's too, on $(TEST_WORKERS) xdist workers (tests/suite_plan.py),
+## test: the whole test suite but Ray's on $(TEST_WORKERS) xdist workers (tests/suite_plan.py),
 ## then the 20 slowest tests (every test's seconds: $(DURATIONS)), then the docs build.
 ## pytest exit 5, "no tests ran", counts as failure.
 TEST_WORKERS ?= 2
 DURATIONS    := logs/test-durations.json
 test: $(STAMP)
-	@$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder \
+	@$(PY) -m pytest -m "not ray" -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder \
 	    --durations-json=$(DURATIONS); rc=$$?; \
 	$(PY) tools/durations.py $(DURATIONS) --top 20 || true; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; \
@@ -39,8 +43,9 @@ test: $(STAMP)
 durations:
 	$(PY) tools/durations.py $(DURATIONS) --top 40 --write
 
-## test-ray: only keras_dist.ray's tests on a local Ray (make test runs them too; ~5 min on 2 cores)
+## test-ray: keras_dist.ray's tests on a local Ray (installs the ray extra; ~3 min on 2 cores)
 test-ray: $(STAMP)
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[ray]'
 	$(PY) -m pytest -m ray tests/test_ray.py
 
 docs: $(STAMP)
@@ -81,6 +86,10 @@ compat: dist
 ## (.ci/run builds them while the suite runs; `make compat` then installs only the wheel)
 compat-env: | $(PY)
 	$(PY) tools/compat.py --pairs $(PAIRS) --prepare-only
+
+## conformance-table: docs/compatibility.md's conformance matrix from tests/conformance.py's EXPECTED
+conformance-table: $(STAMP)
+	$(PY) tests/conformance.py --write
 
 ## keras-suite: Keras' own fit tests (its sdist's trainer_test and fit callbacks' tests) with no strategy,
 ## under Mirrored (2 logical CPUs) and under Mirrored through kd.fit; summary in logs/keras-suite.md

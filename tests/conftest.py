@@ -226,6 +226,7 @@ SHARED_SCENARIOS = {
     "test_local_steps::test_a_backup_holds_the_outer_optimizer_and_the_elastic_copies": (
         "ps_local_backup.py",),
     "test_dana::test_dana_on_a_real_cluster": ("ps_dana.py",),
+    "test_conformance::test_parameter_server_cells_conform": ("ps_conformance.py",),
     "test_local_wrappers::test_wrappers_in_local_steps_on_a_real_cluster": (
         "ps_local_wrappers.py", "train"),
     # The docs' cluster scripts of this shape (test_docs_examples checks that
@@ -253,6 +254,19 @@ def shared_cluster(request, tmp_path_factory):
     selected = {scenario_key(item) for item in request.session.items}
     scenarios = {key: value for key, value in SHARED_SCENARIOS.items() if key in selected}
     return SharedCluster(tmp_path_factory.mktemp("shared_cluster"), scenarios)
+
+
+@pytest.fixture(scope="session")
+def conformance_references(tmp_path_factory):
+    """Keras' own fit on one device for every model kind of the conformance
+    matrix (tests/conformance.py): {kind: record}, made once per process."""
+    import json
+
+    import conformance
+
+    work = tmp_path_factory.mktemp("conformance_reference")
+    return {kind: json.loads(json.dumps(conformance.record(kind, conformance.keras_train, work)))
+            for kind in conformance.KINDS}
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import keras_dist as kd
+import conformance
 from equivalence_cases import (CASES, MWMS_CASES, build, fit_arguments, largest_difference,
                                reference)
 from procs import CPUS, run_workers
@@ -54,9 +55,12 @@ def test_the_cases_are_not_trivially_equal(strategy):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(900)  # ~30 s here; a few minutes with a CPU hog on one of the 2 cores
-def test_multiworker_equals_one_device(tmp_path):
+def test_multiworker_equals_one_device(tmp_path, conformance_references):
     """Worker 0 equals Keras on one device; worker 1 equals worker 0 exactly
-    (the same all-reduced update, the same metrics read over both)."""
+    (the same all-reduced update, the same metrics read over both). In the
+    same run, the conformance matrix's MultiWorkerMirrored cells
+    (tests/conformance.py): every model kind, on both workers, conforms to
+    Keras' own fit on one device."""
     assert set(MWMS_CASES) < set(CASES)
     run_workers(tmp_path, "mwms_equivalence.py", timeout=840)
     results = []
@@ -70,6 +74,13 @@ def test_multiworker_equals_one_device(tmp_path):
         assert_equivalent(case, weights, result["history"])
         assert second[case]["history"] == result["history"], case
         assert largest_difference(weights, second[case]["weights"]) == 0, case
+    for index in range(2):
+        with open(tmp_path / f"worker{index}-conformance.json") as f:
+            cells = json.load(f)
+        problems = {kind: conformance.compare(cell, conformance_references[kind], kind,
+                                              "multi_worker")
+                    for kind, cell in cells.items()}
+        assert problems == {kind: [] for kind in conformance.KINDS}, (index, problems)
 
 
 def test_gradient_accumulation_over_replicas_is_a_clear_error(strategy):

@@ -264,14 +264,25 @@ class WorkerStep:
                 pulled = [tf.identity(w.value.read_value()) for w in model.trainable_weights]
             after_read = pulled
         metric_vars = self.metrics.variables
+        metric_ids = {id(v) for v in metric_vars}
         captured = []
 
         def capture(original, grads, variables):
             captured.append((original, grads, variables))
 
         with tf.control_dependencies(after_read):
-            with keras.StatelessScope(list(zip(metric_vars, metrics)),
+            # Integer state the step may count up (a counter of the user's
+            # train_step, a seed generator's) is read here and written back
+            # as the increment, so that two workers' increments add up; other
+            # state a step assigns (BatchNormalization's moving statistics)
+            # is written back as its new value: the last write wins.
+            counters = [v for v in model.non_trainable_variables
+                        if id(v) not in metric_ids and tf.as_dtype(v.dtype).is_integer]
+            counted = [tf.identity(v.value.read_value()) for v in counters]
+            with keras.StatelessScope(list(zip(metric_vars, metrics))
+                                      + list(zip(counters, counted)),
                                       collect_losses=True) as scope:
+                before = {id(v): scope.get_current_value(v) for v in counters}
                 with update.apply_hook(capture):
                     step_logs = model.train_step(data)
         if len(captured) != 1:
@@ -293,9 +304,9 @@ class WorkerStep:
         # per gradient and the learning rate's fewer.
         computed = ready
         home = gradients.home_device(variables) if self.options.ship_gradients else None
-        metric_ids = {id(v) for v in metric_vars}
         state = [(v, scope.get_current_value(v)) for v in model.variables
-                 if id(v) not in metric_ids and scope.get_current_value(v) is not None]
+                 if id(v) not in metric_ids and scope.get_current_value(v) is not None
+                 and scope.get_current_value(v) is not before.get(id(v))]
         metrics = [scope.get_current_value(v) for v in metric_vars]
         shipped = None
         if home is not None:
@@ -313,7 +324,8 @@ class WorkerStep:
             skipped = self.policy.apply(functools.partial(update.apply_with, info, original),
                                         grads, variables, optimizer=optimizer, gate=True)
 
-        writes = [v.value.assign(new) for v, new in state]  # last write wins
+        writes = [v.value.assign_add(new - before[id(v)]) if id(v) in before
+                  else v.value.assign(new) for v, new in state]
         if carry is not None:
             return tau, writes, step_logs, metrics, skipped, home, computed, shipped
         return tau, writes, step_logs, metrics, skipped, home, computed

@@ -3,7 +3,9 @@
 Run by tests/test_equivalence.py with TF_CONFIG set. Trains each case of
 tests/equivalence_cases.py's `MWMS_CASES` (or of the comma-separated names
 in env MWMS_CASES; "all": every case) with `kd.fit` and writes the weights
-and History to out_dir/<task>.json. argv: out_dir.
+and History to out_dir/<task>.json; then the conformance matrix's cells of
+this shape (tests/conformance.py: every model kind, and what a user does
+after `fit`) to out_dir/<task>-conformance.json. argv: out_dir.
 """
 
 import json
@@ -16,6 +18,7 @@ import keras_dist as kd  # noqa: E402
 
 strategy = kd.resolve_strategy()  # first: collective ops start with the process
 
+import conformance  # noqa: E402
 from equivalence_cases import CASES, MWMS_CASES, build, fit_arguments  # noqa: E402
 
 
@@ -29,8 +32,14 @@ def main(out_dir):
         results[case] = {"weights": [w.tolist() for w in history.model.get_weights()],
                          "history": history.history}
     task = json.loads(os.environ["TF_CONFIG"])["task"]
-    with open(os.path.join(out_dir, f"{task['type']}{task['index']}.json"), "w") as f:
+    name = os.path.join(out_dir, f"{task['type']}{task['index']}")
+    with open(f"{name}.json", "w") as f:
         json.dump(results, f)
+    os.makedirs(f"{name}-conformance")  # each worker saves its own .keras files
+    cells = {kind: conformance.record(kind, conformance.kd_train(strategy), f"{name}-conformance")
+             for kind in conformance.KINDS}
+    with open(f"{name}-conformance.json", "w") as f:
+        json.dump(cells, f)
 
 
 if __name__ == "__main__":
