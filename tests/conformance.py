@@ -403,7 +403,7 @@ def table():
                 if text not in notes:
                     notes.append(text)
                 marks.append(f"{what} [{notes.index(text) + 1}]")
-            cells.append("as Keras" + (": " + ", ".join(marks) if marks else ""))
+            cells.append("as Keras" + (" except " + ", ".join(marks) if marks else ""))
         lines.append(f"| {kind.replace('_', ' ')} | " + " | ".join(cells) + " |")
     lines.append("")
     lines += [f"{i}. {text}" for i, text in enumerate(notes, 1)]
