@@ -402,34 +402,83 @@ def _kill_group(proc, sig):
 
 # ------------------------------------------------------------------ session
 def run_session(spec_path):
-    """Runs a page's Python scripts in order in this process, each in a fresh
-    namespace of its own.
+    """Runs pages' Python scripts in this process, page by page, each script
+    in a fresh namespace of its own.
 
-    The spec is `{"scripts": [[{"where", "code", "raises", "max_epochs"},
-    ...], ...]}`: per script, a block and the blocks that continue it,
-    nothing else (no names the reader does not see). A script stops at its
-    first failing block (named); the others still run. A first block's
-    `max_epochs` (a `max-epochs` marker) caps the whole script's epochs
-    (`keras.config.set_max_epochs`, reset after it). Exits 1 if any block
-    failed.
+    The spec is `{"pages": [{"page", "cwd", "scripts": [[{"where", "code",
+    "raises", "max_epochs"}, ...], ...]}, ...]}`: per page, the work
+    directory it runs in and, per script, a block and the blocks that
+    continue it, nothing else (no names the reader does not see). Each page
+    starts from what a fresh process would give it as far as its blocks can
+    tell: the environment, the working directory, `sys.argv`, Keras' dtype
+    policy, epoch limit and name counters (`keras.utils.clear_session`) are
+    reset before it (`_fresh_page`). A script stops at its first failing
+    block (named); the others still run, and so do the later pages. Prints
+    `[docs-test] page PAGE` before a page's output and `[docs-test] page
+    PAGE: ok` (or `: failed`) after it (`page_output` cuts one page's part
+    out). Exits 1 if any block failed.
     """
     with open(spec_path) as f:
         spec = json.load(f)
-    failed = 0
-    for blocks in spec["scripts"]:
-        limit = blocks[0].get("max_epochs")
-        if not limit:
-            failed += not _run_script(blocks)
-            continue
+    environ, argv, failed_pages = dict(os.environ), list(sys.argv), 0
+    for page in spec["pages"]:
+        print(f"{PAGE_START}{page['page']}", flush=True)
+        _fresh_page(environ, argv, page["cwd"])
+        failed = sum(not _run_limited(blocks) for blocks in page["scripts"])
+        print(f"{PAGE_START}{page['page']}: {'failed' if failed else 'ok'}", flush=True)
+        failed_pages += bool(failed)
+    sys.exit(1 if failed_pages else 0)
+
+
+PAGE_START = "[docs-test] page "
+
+
+def page_output(out, page):
+    """What `run_session` printed for `page` (from its start line to its
+    result line, both included); "" if the page never started."""
+    out = "\n" + out
+    start = out.find(f"\n{PAGE_START}{page}\n")
+    if start < 0:
+        return ""
+    end = out.find(f"\n{PAGE_START}{page}: ", start)
+    if end < 0:  # the process died in this page
+        return out[start + 1:]
+    return out[start + 1:out.find("\n", end + 1) + 1 or len(out)]
+
+
+def _fresh_page(environ, argv, cwd):
+    """Undoes what an earlier page may have changed in this process."""
+    # Only what changed: setenv(3) and unsetenv(3) race TensorFlow's threads'
+    # getenv(3) (tests/conftest.py's _environment_without_putenv).
+    for name in set(os.environ) - set(environ):
+        del os.environ[name]
+    for name, value in environ.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
+    sys.argv[:] = argv
+    os.chdir(cwd)
+    if "keras" in sys.modules:
         import keras
 
-        keras.config.set_max_epochs(int(limit))
-        print(f"[docs-test] {blocks[0]['where']}: at most {limit} epochs", flush=True)
-        try:
-            failed += not _run_script(blocks)
-        finally:
-            keras.config.set_max_epochs(None)
-    sys.exit(1 if failed else 0)
+        keras.config.set_dtype_policy("float32")
+        keras.config.set_max_epochs(None)
+        keras.utils.clear_session()
+
+
+def _run_limited(blocks):
+    """One script; a first block's `max_epochs` caps the whole script's
+    epochs (`keras.config.set_max_epochs`, reset after it)."""
+    limit = blocks[0].get("max_epochs")
+    if not limit:
+        return _run_script(blocks)
+    import keras
+
+    keras.config.set_max_epochs(int(limit))
+    print(f"[docs-test] {blocks[0]['where']}: at most {limit} epochs", flush=True)
+    try:
+        return _run_script(blocks)
+    finally:
+        keras.config.set_max_epochs(None)
 
 
 def _run_script(blocks):

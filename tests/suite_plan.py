@@ -20,6 +20,8 @@ Work units (one worker runs all of a unit's tests, in order):
   conftest's `made_once` instead; the docs examples and test_shapes run
   their own job queues only without xdist: under it, each test runs its
   own job);
+- the docs' Python blocks (test_docs_examples' `test_python_blocks`, a test
+  per page): one unit, since one process runs every page's;
 - every other test is a unit of its own.
 
 A `@pytest.mark.whole_machine` test (it compares the CPU two processes
@@ -52,6 +54,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 EXPECTED = os.path.join(HERE, "durations.json")
 UNKNOWN_SECONDS = 1.0
 ALONE = "alone"
+DOCS_PYTHON = "docs_python"
 
 def expected_durations(path=EXPECTED):
     """{nodeid: seconds} of the last recorded run; {} if there is none."""
@@ -70,6 +73,8 @@ def unit_of(item, shared_keys):
         return ALONE
     if f"{module}::{item.name}" in shared_keys:
         return "shared_cluster"
+    if module == "test_docs_examples" and item.originalname == "test_python_blocks":
+        return DOCS_PYTHON
     return None
 
 

@@ -7,9 +7,11 @@ defines its own data, model and imports.
 What runs how (by the fence's language):
 
 - **python**: each block runs in a fresh namespace of its own (no name of
-  another block is there); a page's blocks share one process per page
-  (`python tests/docblocks.py session`, in a fresh work directory), since a
-  process per block imports TensorFlow again each time. A block marked
+  another block is there); every page's blocks share one process
+  (`python tests/docblocks.py session`), each page in a fresh work
+  directory of its own and with what an earlier page changed (environment,
+  working directory, Keras' dtype policy, epoch limit, name counters) reset,
+  since a process per page imports TensorFlow again each time. A block marked
   `continue` runs after the page's previous Python block, in that block's
   namespace (for a `file` or `cluster` block: appended to its script); the
   reader is told so by a visible line right above it (see `continue` below). A block that starts with `>>>` is a doctest (its output
@@ -95,6 +97,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 
@@ -110,7 +113,8 @@ PYTHON = os.path.join(VENV_BIN, "python") if os.path.exists(
     os.path.join(VENV_BIN, "python")) else sys.executable
 SHELL_TIMEOUT = 240     # seconds per shell block
 CLUSTER_TIMEOUT = 240   # seconds per cluster script
-SESSION_TIMEOUT = 240   # seconds per Python script
+SESSION_TIMEOUT = 240   # seconds for the Python scripts' process, plus
+PAGE_TIMEOUT = 20       # seconds per page it runs
 JOB_WAIT = 600          # seconds a test may wait for its job (queued behind others)
 
 # ---------------------------------------------------------------- collection
@@ -167,21 +171,33 @@ def _env(block=None):
     return env
 
 
-def _python_job(runner, workdirs, page):
-    """The page's Python scripts, in order, in one process: each script (a
-    block and the blocks continuing it) in a fresh namespace of its own.
-    One process per page, not per block: each would import TensorFlow again
-    (~4 CPU-s), which doubled the docs test's time."""
-    cwd = workdirs.make(page, "python")
-    spec = {"scripts": [[{"where": b.where, "code": b.code, "raises": b.marker("raises"),
-                          "max_epochs": b.marker("max-epochs")}
-                         for b in script.blocks] for script in PYTHON_PAGES[page]]}
-    spec_path = os.path.join(cwd, ".docs-test-session.json")
+def _python_job(runner, workdirs, pages):
+    """The Python scripts of `pages` (a tuple), page by page, in one process:
+    each script (a block and the blocks continuing it) in a fresh namespace
+    of its own, each page in a work directory of its own, with Keras' global
+    settings and the environment reset between pages (docblocks.run_session).
+    One process for all pages, not one per page (or per block): each would
+    import TensorFlow again, ~6 CPU-s on 2 cores, 13 pages' worth of it."""
+    spec = {"pages": []}
+    for page in pages:
+        cwd = workdirs.make(page, "python")
+        spec["pages"].append({"page": page, "cwd": cwd, "scripts": [
+            [{"where": b.where, "code": b.code, "raises": b.marker("raises"),
+              "max_epochs": b.marker("max-epochs")} for b in script.blocks]
+            for script in PYTHON_PAGES[page]]})
+    spec_path = os.path.join(workdirs.root, ".docs-test-session.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
     return runner.run(
         [PYTHON, os.path.join(REPO, "tests", "docblocks.py"), "session", spec_path],
-        cwd, _env(), SESSION_TIMEOUT)
+        workdirs.root, _env(), SESSION_TIMEOUT + PAGE_TIMEOUT * len(pages))
+
+
+def _selected_python_pages(session):
+    """The pages whose test_python_blocks is selected, in test order."""
+    return tuple(item.callspec.params["key"] for item in session.items
+                 if item.module is sys.modules[__name__]
+                 and item.originalname == "test_python_blocks")
 
 
 def _cluster_job(runner, workdirs, where):
@@ -276,6 +292,10 @@ def jobs(request):
             key = item.callspec.params["key"]
             if job is not _cluster_job or not _in_shared_cluster(key):
                 selected.append((order, key, job))
+    pages = _selected_python_pages(request.session)
+    selected = [(o, k, j) for o, k, j in selected if j is not _python_job]
+    if pages:
+        selected.append((2, pages, _python_job))  # one job for all the pages
     for _, key, job in sorted(selected, key=lambda t: t[0]):  # long jobs first
         runner.submit((job.__name__, key), job, workdirs, key)
     yield runner
@@ -424,6 +444,37 @@ def test_continue_joins_the_previous_script_and_nothing_else_does():
     assert scripts[1].code == "import sys\n\n\nprint(sys.argv)\n"
 
 
+def test_one_process_runs_the_pages_each_as_in_a_fresh_one(tmp_path):
+    """docblocks.run_session: a page's failure stops neither the pages after
+    it nor its own next script; the environment, the working directory and
+    sys.argv an earlier page changed are back for the next; page_output
+    cuts out each page's part."""
+    pages = []
+    for name, scripts in {
+        "a.md": ["import os, sys\nos.environ['KD_PAGE'] = 'a'\nos.chdir('..')\n"
+                 "sys.argv.append('x')\nraise ValueError('page a broke')",
+                 "print('a again')"],
+        "b.md": ["import os, sys\nprint('b sees', os.environ.get('KD_PAGE'), "
+                 "os.path.basename(os.getcwd()), 'x' in sys.argv)"],
+    }.items():
+        (tmp_path / name).mkdir()
+        pages.append({"page": name, "cwd": str(tmp_path / name), "scripts": [
+            [{"where": f"{name}:{i}", "code": code, "raises": None, "max_epochs": None}]
+            for i, code in enumerate(scripts)]})
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"pages": pages}))
+    env = {k: v for k, v in os.environ.items() if k != "KD_PAGE"}
+    done = subprocess.run([sys.executable, os.path.join(REPO, "tests", "docblocks.py"),
+                           "session", str(spec)], capture_output=True, text=True, env=env,
+                          timeout=60)
+    assert done.returncode == 1, done.stdout + done.stderr
+    a, b = (docblocks.page_output(done.stdout, page) for page in ("a.md", "b.md"))
+    assert "[docs-test] FAILED a.md:0: ValueError: page a broke" in a
+    assert "[docs-test] ok a.md:1" in a and a.endswith("[docs-test] page a.md: failed\n"), a
+    assert "b sees None b.md False" in b and b.endswith("[docs-test] page b.md: ok\n"), b
+    assert "a again" not in b and docblocks.page_output(done.stdout, "c.md") == ""
+
+
 def test_skips_are_few_and_explained():
     skips = [(b.page, b.where, b.marker("skip")) for b in ALL if b.marker("skip") is not None]
     code = [b for b in ALL if b.kind in ("python", "shell")]
@@ -545,17 +596,21 @@ def test_data_block_parses(block):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(JOB_WAIT)
 @pytest.mark.parametrize("key", sorted(PYTHON_PAGES))
-def test_python_blocks(key, jobs):
-    result = jobs.result(("_python_job", key))
-    _report(key, "Python blocks", result)
-    failed = re.findall(r"^\[docs-test\] FAILED .*$", result.out, flags=re.MULTILINE)
-    assert result.rc == 0 and not failed, (
-        f"{key}: Python block(s) failed (exit {result.rc}): {failed}\n{_tail(result.out)}")
+def test_python_blocks(key, jobs, request):
+    """The page's scripts ran (in the one process that runs every selected
+    page's, `_python_job`) and each of its blocks passed."""
+    result = jobs.result(("_python_job", _selected_python_pages(request.session)))
+    out = docblocks.page_output(result.out, key)
+    _report(key, "Python blocks (all pages' process)", result)
+    failed = re.findall(r"^\[docs-test\] FAILED .*$", out, flags=re.MULTILINE)
+    assert f"[docs-test] page {key}: ok" in out and not failed, (
+        f"{key}: Python block(s) failed (the process's exit {result.rc}): {failed}\n"
+        f"{_tail(out or result.out)}")
     for script in PYTHON_PAGES[key]:
         for b in script.blocks:
-            assert f"[docs-test] ok {b.where}" in result.out or (
-                f"[docs-test] {b.where} raised" in result.out), (
-                f"{b.where} did not run:\n{_tail(result.out)}")
+            assert f"[docs-test] ok {b.where}" in out or (
+                f"[docs-test] {b.where} raised" in out), (
+                f"{b.where} did not run:\n{_tail(out or result.out)}")
 
 
 # ---------------------------------------------------------------- cluster
