@@ -235,7 +235,9 @@ def test_wrappers_in_local_steps_on_a_real_cluster(request, shared_cluster):
     assert logs["dropped_updates"] == 0
     if run["staleness_max"] > 0:  # the outer DynSGD damped the stale pushes
         assert logs["dyn_sgd_scale_mean"] < 1.0, logs
-    assert run["test_accuracy"] >= ASYNC_LEARNS, run["test_accuracy"]
+    # (One full-suite run here ended at 0.80, where runs beside a CPU hog end
+    # at 0.95-0.97: the epochs' accuracy and loss say how it got there.)
+    assert run["test_accuracy"] >= ASYNC_LEARNS, run
 
 
 @pytest.mark.multiprocess

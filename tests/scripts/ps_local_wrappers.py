@@ -68,6 +68,7 @@ def train():
             "outer_iterations": int(outer.iterations.numpy()),
             "outer_logs": outer.staleness_logs(),
             "staleness_max": max(history.history["staleness_max"]),
+            "accuracy": history.history["accuracy"], "loss": history.history["loss"],
             "updates_per_worker": {str(k): v for k, v in
                                    model.staleness_stats.updates_per_worker().items()}}
 
