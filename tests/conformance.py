@@ -44,12 +44,14 @@ EPOCHS, BATCH, EXAMPLES = 2, 16, 64  # 4 steps an epoch
 _REWRAPPED = {
     "class": ("comes back as `kd.AsyncModel`, a `keras.Model` subclass (Keras' own "
               "classes cannot train asynchronously); a class of the user's keeps its class"),
-    "keras_fit": ("is `kd.AsyncModel.fit`: it trains asynchronously again (History adds "
-                  "the staleness keys)"),
 }
 EXPECTED = {
     **{(kind, "parameter_server", what): text
        for kind in ("sequential", "functional") for what, text in _REWRAPPED.items()},
+    ("*", "parameter_server", "keras_fit"): (
+        "is keras_dist's (`kd.AsyncModel.fit`; for a class of the user's, `kd.fit` under "
+        "the same strategy): it trains asynchronously again (History adds the staleness "
+        "keys)"),
     ("*", "parameter_server", "callbacks"): (
         "calls `on_train_batch_begin` as it schedules each step and "
         "`on_train_batch_end` as each finishes, so a few begins come before the "
@@ -57,17 +59,6 @@ EXPECTED = {
     ("*", "parameter_server", "history"): (
         "adds `staleness_mean` and `staleness_max` (the updates' staleness; "
         "docs/asynchronous-training.md)"),
-    ("*", "parameter_server", "keras_fit"): (
-        "RuntimeError: keras_dist: Keras' own model.fit was called on chief:0 of a "
-        "parameter-server cluster"),
-    ("trainer_mixin", "parameter_server", "keras_fit"): (
-        "ValueError: To use this dataset, you need to pass this dataset to "
-        "ClusterCoordinator.create_per_worker_dataset (TensorFlow's error: keras_dist's "
-        "guard of Keras' fit covers `keras.Model` classes only)"),
-    ("*", "multi_worker", "keras_fit"): (
-        "ValueError: Attempt to convert a value (PerReplica...): Keras' own fit fails "
-        "under MultiWorkerMirrored (keras-team/keras#20585); `kd.fit` trains the model "
-        "again"),
 }
 ADDED_KEYS = ("staleness_mean", "staleness_max")  # what EXPECTED's "history" adds
 # Shapes whose weights are those of one device to rounding (synchronous).

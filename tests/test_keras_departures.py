@@ -412,3 +412,22 @@ def test_the_build_before_training_calls_compute_loss_symbolically(mirrored, sha
     assert all(training for symbolic, training in calls if not symbolic), calls
     assert (True, False) in calls  # the build, as Keras' symbolic one
     assert history.history["custom"][0] > 0.0
+
+
+def test_keras_fit_after_a_mirrored_fit_trains_on_as_kd_fit(mirrored):
+    """Issue 47: after `kd.fit` under Mirrored the model's `fit` is keras_dist's,
+    as its `evaluate` and `predict` are: Keras' own fails at a batch of 5 over
+    2 replicas (tests/test_loop.py). Called with Keras' positional arguments
+    (x, y, batch_size, epochs, verbose), it trains as Keras' fit does on one
+    device from the same weights."""
+    x, y = _xy(20)
+    model = kd.fit(lambda: _dense(6), x, y, strategy=mirrored, batch_size=5, epochs=1,
+                   shuffle=False, verbose=0).model
+    reference = _dense(6)
+    reference.set_weights(model.get_weights())
+    history = model.fit(x, y, 5, 2, 0, shuffle=False)
+    expected = reference.fit(x, y, 5, 2, 0, shuffle=False)
+    assert history.model is model and list(history.history) == list(expected.history)
+    np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-5)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

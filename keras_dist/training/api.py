@@ -175,8 +175,12 @@ def train(model, plan, x=None, y=None, keras_fit=None, **fit_kwargs):
             if is_dataset_fn(x):
                 x = plan.strategy.distribute_datasets_from_function(x)
             if keras_fit is None:  # AsyncModel.fit comes back here off parameter servers
+                # (The class's fit where an earlier kd.fit made the model's
+                # its own, `_own_evaluate_and_predict`: that one comes here.)
                 keras_fit = (functools.partial(keras.Model.fit, model)
-                             if isinstance(model, AsyncModel) else model.fit)
+                             if isinstance(model, AsyncModel)
+                             else functools.partial(type(model).fit, model)
+                             if _compat.overrides(model, "fit") else model.fit)
             history = nonfinite.keras_loop(model, plan.nonfinite_updates, keras_fit, x, y,
                                            **fit_kwargs)
     staleness.record_synchronous(history.model)
@@ -273,11 +277,32 @@ def predict(model, x, *, strategy=None, batch_size=None, verbose="auto", steps=N
 
 
 def _own_evaluate_and_predict(model, strategy):
-    """Keras' own `evaluate` / `predict` fail where its `fit` does (several
-    replicas, several workers, parameter servers): after `fit` there the
-    model's are keras_dist's (`kd.evaluate`, `kd.predict`)."""
-    _compat.override(model, evaluate=functools.partial(evaluate, model, strategy=strategy),
+    """Keras' own `fit`, `evaluate` and `predict` fail where keras_dist runs
+    its own loop (several replicas, several workers, parameter servers):
+    after `fit` there the model's are keras_dist's (`kd.fit` under the same
+    strategy, `kd.evaluate`, `kd.predict`), so a script that goes on with
+    `model.fit(...)` trains as `kd.fit` did instead of failing in Keras
+    (keras-team/keras#20585 under MultiWorkerMirrored)."""
+    _compat.override(model, fit=_own_fit(model, strategy),
+                     evaluate=functools.partial(evaluate, model, strategy=strategy),
                      predict=functools.partial(predict, model, strategy=strategy))
+
+
+def _own_fit(model, strategy):
+    """`model.fit` with Keras' own signature (positional arguments in
+    Keras' order) that trains by `kd.fit` under `strategy`."""
+    signature = inspect.signature(type(model).fit)
+
+    def own_fit(*args, **kwargs):
+        arguments = signature.bind(model, *args, **kwargs).arguments
+        arguments.pop(next(iter(signature.parameters)))  # the model itself
+        for name, parameter in signature.parameters.items():
+            if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+                arguments.update(arguments.pop(name, {}))
+        return fit(model, strategy=strategy, **arguments)
+
+    own_fit.__doc__ = type(model).fit.__doc__
+    return own_fit
 
 
 def _convertible(model):
