@@ -163,20 +163,20 @@ def train(model, plan, x=None, y=None, keras_fit=None, **fit_kwargs):
     if route is Route.ASYNC:
         history = driver.fit(AsyncExecutor(model, plan), x, y, **fit_kwargs)
         if not isinstance(history.model, AsyncModel):  # a model trained as it is
-            _own_evaluate_and_predict(history.model, plan.strategy)
+            _own_fit_evaluate_and_predict(history.model, plan.strategy)
         return history
     with plain_fit.local_fit():  # a strategy chosen on purpose, even on a ps cluster
         if route is Route.SYNC:
             history = driver.fit(SyncExecutor(model, plan), x, y, **fit_kwargs)
             model = history.model
             if needs_own_loop(plan.strategy):  # not on one device (a mid-epoch backup)
-                _own_evaluate_and_predict(model, plan.strategy)
+                _own_fit_evaluate_and_predict(model, plan.strategy)
         else:
             if is_dataset_fn(x):
                 x = plan.strategy.distribute_datasets_from_function(x)
             if keras_fit is None:  # AsyncModel.fit comes back here off parameter servers
                 # (The class's fit where an earlier kd.fit made the model's
-                # its own, `_own_evaluate_and_predict`: that one comes here.)
+                # its own, `_own_fit_evaluate_and_predict`: that one comes here.)
                 keras_fit = (functools.partial(keras.Model.fit, model)
                              if isinstance(model, AsyncModel)
                              else functools.partial(type(model).fit, model)
@@ -276,7 +276,7 @@ def predict(model, x, *, strategy=None, batch_size=None, verbose="auto", steps=N
                                callbacks=callbacks)
 
 
-def _own_evaluate_and_predict(model, strategy):
+def _own_fit_evaluate_and_predict(model, strategy):
     """Keras' own `fit`, `evaluate` and `predict` fail where keras_dist runs
     its own loop (several replicas, several workers, parameter servers):
     after `fit` there the model's are keras_dist's (`kd.fit` under the same
