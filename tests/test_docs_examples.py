@@ -283,8 +283,7 @@ def jobs(request):
         shutil.rmtree(workdirs.root, ignore_errors=True)
         return
     runner = docblocks.Runner(prefix, workers=int(os.environ.get("KD_DOCS_TEST_JOBS", "2")))
-    wanted = {"test_shell_blocks": (0, _shell_job), "test_cluster_block": (1, _cluster_job),
-              "test_python_blocks": (2, _python_job)}
+    wanted = {"test_shell_blocks": (0, _shell_job), "test_cluster_block": (1, _cluster_job)}
     selected = []
     for item in request.session.items:
         if item.module is sys.modules[__name__] and item.originalname in wanted:
@@ -293,7 +292,6 @@ def jobs(request):
             if job is not _cluster_job or not _in_shared_cluster(key):
                 selected.append((order, key, job))
     pages = _selected_python_pages(request.session)
-    selected = [(o, k, j) for o, k, j in selected if j is not _python_job]
     if pages:
         selected.append((2, pages, _python_job))  # one job for all the pages
     for _, key, job in sorted(selected, key=lambda t: t[0]):  # long jobs first
