@@ -42,20 +42,9 @@ from sharded_cases import data, recommender  # noqa: E402
 OUT, MODE, MAX_SHARDS = sys.argv[1], sys.argv[2], int(sys.argv[3])
 
 
-class Switchable(tf.distribute.experimental.partitioners.MinSizePartitioner):
-    """MinSizePartitioner that can be turned off, so one cluster (one
-    coordinator per process) builds both sharded and unsharded models."""
-
-    on = True
-
-    def __call__(self, shape, dtype, axis=0):
-        if not self.on:
-            return [1] * len(shape)
-        return super().__call__(shape, dtype, axis)
-
-
 if MODE == "train":
-    PARTITIONER = Switchable(min_shard_bytes=1024, max_shards=MAX_SHARDS)
+    PARTITIONER = tf.distribute.experimental.partitioners.MinSizePartitioner(
+        min_shard_bytes=1024, max_shards=MAX_SHARDS)
 else:  # another of TF's partitioners: every variable in MAX_SHARDS shards
     PARTITIONER = tf.distribute.experimental.partitioners.FixedShardsPartitioner(MAX_SHARDS)
 strategy = kd.resolve_strategy(variable_partitioner=PARTITIONER)
@@ -71,13 +60,9 @@ X, Y = data(4000, 0)
 X_TEST, Y_TEST = data(1000, 1)
 
 
-def remote(make_optimizer, sharded, **kwargs):
-    PARTITIONER.on = sharded
-    try:
-        with strategy.scope():
-            return recommender(make_optimizer(), kd.AsyncModel, **kwargs)
-    finally:
-        PARTITIONER.on = True
+def remote(make_optimizer, **kwargs):
+    with strategy.scope():
+        return recommender(make_optimizer(), kd.AsyncModel, **kwargs)
 
 
 def devices(variable):
@@ -85,7 +70,7 @@ def devices(variable):
 
 
 def placement():
-    model = remote(ADAM, True)
+    model = remote(ADAM)
     with strategy.scope():
         model.optimizer.build(model.trainable_variables)
     return {"model": {v.path: devices(v) for v in model.weights if kd.sharded.is_sharded(v)},
@@ -108,52 +93,77 @@ OPTIMIZERS = {
     # Weight decay and a non-elementwise rule: whole-variable updates.
     "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
     "lamb": lambda: keras.optimizers.Lamb(0.01),
-    # Wrappers: DC-ASGD and Gap-Aware read the pulled weights.
+    # Wrappers: DC-ASGD and Gap-Aware read the pulled weights. One worker,
+    # one execution: every update has staleness 0, where DC-ASGD's
+    # compensation and Gap-Aware's gap are 0, so each must give what it
+    # gives on one device (where the pulled weights are the weights).
     "dcasgd": lambda: kd.optimizers.DCASGD(keras.optimizers.SGD(0.5), lambda_=0.5),
     "gapaware": lambda: kd.optimizers.GapAware(keras.optimizers.SGD(0.5, momentum=0.9)),
 }
-WRAPPERS = ("dcasgd", "gapaware")
+
+
+class Gradients(keras.callbacks.Callback):
+    """Each step's gradients of a model trained with SGD(lr, momentum=mu),
+    from its momentums: Keras' SGD sets m = mu * m - lr * g."""
+
+    def __init__(self, lr, mu):
+        super().__init__()
+        self.lr, self.mu, self.steps = lr, mu, []
+
+    def on_train_batch_end(self, batch, logs=None):
+        m = [v.numpy().astype(np.float64) for v in self.model.optimizer.momentums]
+        before = self.steps[-1][1] if self.steps else [np.zeros_like(x) for x in m]
+        self.steps.append(([(self.mu * b - x) / self.lr for b, x in zip(before, m)], m))
+
+
+def gap_second_moments(steps, beta):
+    """GapAware's average of g * g (measure="gradient") after `steps`."""
+    v = [np.zeros_like(g) for g in steps[0][0]]
+    for grads, _ in steps:
+        v = [beta * a + (1 - beta) * g * g for a, g in zip(v, grads)]
+    return v
 
 
 def equal():
     results = {}
     for name, make in OPTIMIZERS.items():
         keras.utils.set_random_seed(1)
-        local = recommender(make())
+        optimizer = make()
+        wrapper = isinstance(optimizer, kd.optimizers.StalenessAwareOptimizer)
+        # A wrapper's reference is Keras' fit with its inner optimizer.
+        local = recommender(optimizer.inner_optimizer if wrapper else optimizer)
         init = [w.numpy() for w in local.weights]
-        runs = {}
-        # Keras' own fit has no staleness to give the wrappers: they are
-        # compared with the same model unsharded on the cluster instead.
-        for sharded in (True, False) if name in WRAPPERS else (True,):
-            model = remote(make, sharded, steps_per_execution=K)
-            model.set_weights(init)
-            model.fit(X[:32 * K], Y[:32 * K], batch_size=32, epochs=1, steps_per_epoch=K,
-                      shuffle=False, verbose=0)
-            runs[sharded] = model
-        result = {
-            "iterations": int(runs[True].optimizer.iterations.numpy()),
-            "sharded_variables": [v.path for v in runs[True].weights if kd.sharded.is_sharded(v)],
+        model = remote(make, steps_per_execution=K)
+        model.set_weights(init)
+        model.fit(X[:32 * K], Y[:32 * K], batch_size=32, epochs=1, steps_per_epoch=K,
+                  shuffle=False, verbose=0)
+        gradients = Gradients(0.5, 0.9) if name == "gapaware" else None
+        with kd.local_fit():  # the chief's own reference model
+            local.fit(X[:32 * K], Y[:32 * K], batch_size=32, epochs=1, shuffle=False, verbose=0,
+                      callbacks=[gradients] if gradients else None)
+        slots = model.optimizer.inner_optimizer if wrapper else model.optimizer
+        result = results[name] = {
+            "iterations": int(model.optimizer.iterations.numpy()),
+            "sharded_variables": [v.path for v in model.weights if kd.sharded.is_sharded(v)],
+            "sharded_vs_keras": max_diff(model.weights, local.weights),
+            "slots_sharded_vs_keras": max_diff(slots.variables, local.optimizer.variables),
         }
-        if name in WRAPPERS:
-            result["sharded_vs_unsharded"] = max_diff(runs[True].weights, runs[False].weights)
-            result["slots_sharded_vs_unsharded"] = max_diff(runs[True].optimizer.variables,
-                                                            runs[False].optimizer.variables)
-        else:
-            with kd.local_fit():  # the chief's own reference model
-                local.fit(X[:32 * K], Y[:32 * K], batch_size=32, epochs=1, shuffle=False,
-                          verbose=0)
-            result["sharded_vs_keras"] = max_diff(runs[True].weights, local.weights)
-            result["slots_sharded_vs_keras"] = max_diff(
-                runs[True].optimizer.variables, local.optimizer.variables)
-        results[name] = result
+        if wrapper:  # the wrapper's own path ran for each update (its scale's count)
+            own = {v.name: v for v in model.optimizer.own_variables}
+            result["wrapper_updates"] = float(own["scale_count"].numpy())
+        if gradients:  # Gap-Aware's own state, sharded: relative to its largest value
+            expected = gap_second_moments(gradients.steps, model.optimizer.beta)
+            got = [v for v in model.optimizer.own_variables if "gap_second_moment" in v.path]
+            result["gap_second_moments_relative"] = max_diff(got, expected) / max(
+                float(np.abs(e).max()) for e in expected)
     return results
 
 
 def train():
     results = {}
-    for label, sharded, local_steps in (("sharded", True, 1), ("sharded_local_steps", True, 4)):
+    for label, local_steps in (("sharded", 1), ("sharded_local_steps", 4)):
         keras.utils.set_random_seed(2)
-        model = remote(ADAM, sharded)
+        model = remote(ADAM)
         history = model.fit(X, Y, batch_size=64, epochs=EPOCHS, verbose=0, local_steps=local_steps)
         results[label] = {"test_accuracy": float(model.evaluate(X_TEST, Y_TEST, verbose=0)[1]),
                           "loss": history.history["loss"], "version": model.version}
@@ -176,10 +186,10 @@ class Seen(keras.callbacks.Callback):
 
 def backup():
     backup_dir = os.path.join(OUT, "backup")
-    first = remote(ADAM, True)
+    first = remote(ADAM)
     first.fit(X, Y, batch_size=64, epochs=1, verbose=0,
               callbacks=[kd.callbacks.BackupAndRestore(backup_dir, delete_checkpoint=False)])
-    second, seen = remote(ADAM, True), Seen()
+    second, seen = remote(ADAM), Seen()
     history = second.fit(X, Y, batch_size=64, epochs=2, verbose=0,
                          callbacks=[kd.callbacks.BackupAndRestore(backup_dir), seen])
     return {"epochs_run": len(history.history["loss"]),
