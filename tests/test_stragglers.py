@@ -1,8 +1,9 @@
 """Straggler detection and per-replica metrics on real local clusters.
 
-Each test starts `keras-dist-run` (asynchronous: chief, 2 workers, 1 ps;
-synchronous: 2 MultiWorkerMirrored workers) running
-tests/scripts/straggler_train.py, and slows worker 1 the way real clusters
+The tests run `keras-dist-run` (asynchronous: chief, 2 workers, 1 ps, one
+cluster whose chief trains the three asynchronous cases in turn,
+`async_phases`; synchronous: 2 MultiWorkerMirrored workers, a run per test)
+with tests/scripts/straggler_train.py, and slow worker 1 the way real clusters
 do, from outside its process: stopped and continued on a duty cycle
 (`kd.testing.throttle`, what a container CPU quota does), or sharing its
 core with CPU-bound processes (`kd.testing.cpu_hog` + `pin_process`); or
@@ -85,10 +86,11 @@ def _pids(tmp_path, tasks, proc, timeout=120):
     raise AssertionError(f"the tasks did not start within {timeout}s")
 
 
-def _wait_for(path, proc, timeout=240):
+def _wait_for(path, proc, timeout=240, log=None):
+    log = path.parent / "out.txt" if log is None else log
     deadline = time.monotonic() + timeout
     while not path.exists():
-        assert proc.poll() is None, (path.parent / "out.txt").read_text()[-4000:]
+        assert proc.poll() is None, log.read_text()[-4000:]
         assert time.monotonic() < deadline, f"{path} did not appear within {timeout}s"
         time.sleep(0.05)
 
@@ -104,6 +106,77 @@ def sharing_a_core(pids, name, other, hogs=2):
     kd.testing.pin_process(pids[name], {1})
     with kd.testing.cpu_hog(hogs, cpus={1}):
         yield
+
+
+# The asynchronous tests train in turn on ONE cluster (chief, 2 workers,
+# 1 ps): a cluster's four TensorFlow processes cost more CPU to start than
+# a phase takes to train. Each phase trains a fresh model with a fresh
+# detector (kd.fit builds both), into its own folder; its slowdown from
+# outside starts before its training (or after its first epoch) and ends
+# with it, so none reaches the next phase.
+ASYNC_PHASES = [  # (test, phase for the script, outside, outside_from_epoch_2)
+    # A worker 4x slower, in-graph. (10 epochs: the flag must come within
+    # two windows of each worker's steps, 2 x 50 x 2 = 200 = 10 x 20.)
+    ("test_async_slowed_worker_is_flagged_and_per_worker_metrics_add_up",
+     {"name": "slowed", "epochs": 10, "slow": "1:4"}, None, False),
+    # Stopped and continued from outside every 100 ms, 60% of it stopped.
+    ("test_async_worker_throttled_from_outside_is_flagged",
+     {"name": "throttled", "epochs": 12}, throttled("worker1", 0.1, 0.6), False),
+    # Equal workers, a CPU hog from the first epoch's end on.
+    ("test_equal_workers_on_a_loaded_machine_are_never_flagged[async]",
+     {"name": "equal", "epochs": 12, "churn": 20}, lambda pids: kd.testing.cpu_hog(1), True),
+]
+
+
+@pytest.fixture(scope="module")
+def async_phases(request, tmp_path_factory):
+    """{phase name: (result, what was printed during it, its folder)} for
+    the phases of the tests selected, run in turn on one cluster."""
+    root = tmp_path_factory.mktemp("stragglers_async")
+    selected = {item.name for item in request.session.items}
+    phases = [p for p in ASYNC_PHASES if p[0] in selected]
+    plan = [phase for _, phase, _, _ in phases]
+    cmd = [sys.executable, "-m", "keras_dist.cluster.launch", "--workers", "2", "--ps", "1",
+           "--", sys.executable, "tests/scripts/straggler_train.py", str(root), "phases",
+           str(WINDOW), str(THRESHOLD), json.dumps(plan)]
+    env = {k: v for k, v in os.environ.items() if k != "KERAS_DIST_SLOW_WORKER"}
+    with open(root / "out.txt", "w") as out, subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True) as proc:
+        try:
+            pids = _pids(root, 4, proc)
+            for _, phase, outside, from_epoch_2 in phases:
+                folder = root / phase["name"]
+                _wait_for(folder / "ready", proc, log=root / "out.txt")
+                with contextlib.ExitStack() as stack:
+                    if outside is not None and not from_epoch_2:
+                        stack.enter_context(outside(pids))
+                    (folder / "go").touch()
+                    if outside is not None and from_epoch_2:
+                        _wait_for(folder / "progress", proc, log=root / "out.txt")
+                        stack.enter_context(outside(pids))
+                    _wait_for(folder / "result.json", proc, timeout=RUN_TIMEOUT,
+                              log=root / "out.txt")
+            proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+    output = (root / "out.txt").read_text()
+    assert proc.returncode == 0, output[-6000:]
+    printed, name = {}, None  # the launcher's output, cut at the chief's phase lines
+    for line in output.splitlines():
+        if line.startswith("[chief:0] [phase] "):
+            name = line.split()[-1]
+            printed[name] = []
+        elif name is not None:
+            printed[name].append(line)
+    results = {}
+    for _, phase, _, _ in phases:
+        with open(root / phase["name"] / "result.json") as f:
+            results[phase["name"]] = (json.load(f), "\n".join(printed.get(phase["name"], [])),
+                                      root / phase["name"])
+    return results
 
 
 def scalars(event_dir):
@@ -145,10 +218,10 @@ def check_tensorboard(tmp_path, history, names):
 
 
 @pytest.mark.compat("callbacks")
-def test_async_slowed_worker_is_flagged_and_per_worker_metrics_add_up(tmp_path):
+def test_async_slowed_worker_is_flagged_and_per_worker_metrics_add_up(async_phases):
     # A worker 4x slower does about 1/5 of the updates, so the job loses
     # ~3/5 of its share: ~30% of the cluster's throughput.
-    result, output = run(tmp_path, ps=1, slow="1:4", epochs=12)
+    result, output, tmp_path = async_phases["slowed"]
     assert_flags_only(result, "worker1")
     history, totals = result["history"], result["totals"]
     assert history["straggler_cost/worker1"][-1] >= THRESHOLD / 2  # still flagged
@@ -247,10 +320,10 @@ def test_multiworker_worker_sharing_its_core_with_cpu_hogs_is_flagged(tmp_path):
     assert first["scores"]["replica1"] < first["scores"]["replica0"], first
 
 
-def test_async_worker_throttled_from_outside_is_flagged(tmp_path):
+def test_async_worker_throttled_from_outside_is_flagged(async_phases):
     # It picks its work up late and does fewer of the updates. (12 epochs:
     # the flag must come within 10, two windows of each worker's steps.)
-    result, _ = run(tmp_path, ps=1, epochs=12, outside=throttled("worker1", 0.1, 0.6))
+    result, _, _ = async_phases["throttled"]
     assert_flags_only(result, "worker1")
     totals = result["totals"]
     assert totals["worker0"]["updates"] > 1.5 * totals["worker1"]["updates"]
@@ -261,7 +334,7 @@ def test_async_worker_throttled_from_outside_is_flagged(tmp_path):
 
 
 @pytest.mark.parametrize("ps", [1, 0], ids=["async", "multiworker"])
-def test_equal_workers_on_a_loaded_machine_are_never_flagged(tmp_path, ps):
+def test_equal_workers_on_a_loaded_machine_are_never_flagged(request, tmp_path, ps):
     # A CPU-bound process competes with the cluster on this 2-core machine.
     # Asynchronous steps got about twice as fast (issue 12) and their epoch
     # boundaries cheaper (issue 34); CPU-bound work per step (20 matrix
@@ -272,8 +345,11 @@ def test_equal_workers_on_a_loaded_machine_are_never_flagged(tmp_path, ps):
     # only made the test longer: the detector judges nothing before a full
     # window). Asynchronous: 12 epochs x 20 steps shared by 2 workers;
     # synchronous: 6 epochs x 20 steps on each replica.
-    result, _ = run(tmp_path, ps=ps, epochs=12 if ps else 6, churn=20 if ps else 0,
-                    outside=lambda pids: kd.testing.cpu_hog(1), outside_from_epoch_2=True)
+    if ps:  # ASYNC_PHASES' "equal"
+        result, _, _ = request.getfixturevalue("async_phases")["equal"]
+    else:
+        result, _ = run(tmp_path, ps=0, epochs=6, outside=lambda pids: kd.testing.cpu_hog(1),
+                        outside_from_epoch_2=True)
     # Every worker was judged at least twice over (each step from its 50th).
     assert min(result["counts"].values()) >= 2 * WINDOW
     assert result["events"] == [], result["events"]

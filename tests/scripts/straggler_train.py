@@ -6,6 +6,14 @@ The chief writes what the tests check to out_dir/result.json.
 argv: out_dir epochs window threshold [churn, 0] [batch, 64]. With churn > 0 each step
 also does that many 256x256 matrix products with a fixed (non-trainable)
 matrix: CPU-bound steps without more gradients to all-reduce.
+
+argv: out_dir phases window threshold PHASES_JSON (parameter servers): one
+cluster, several trainings in turn. PHASES_JSON is a list of {"name",
+"epochs", "churn", "batch", "slow"}; for each, the chief trains into
+out_dir/<name>/ as above, with KERAS_DIST_SLOW_WORKER set to "slow" (or
+unset), once the test has made out_dir/<name>/go (it writes
+out_dir/<name>/ready first): the test starts and stops its slowdown from
+outside in between.
 """
 
 import json
@@ -30,8 +38,9 @@ import keras  # noqa: E402
 from keras_dist.datasets import load_digits  # noqa: E402
 
 
-CHURN = int(sys.argv[5]) if len(sys.argv) > 5 else 0
-BATCH = int(sys.argv[6]) if len(sys.argv) > 6 else 64
+PHASES = sys.argv[2] == "phases"
+CHURN = 0 if PHASES or len(sys.argv) <= 5 else int(sys.argv[5])
+BATCH = 64 if PHASES or len(sys.argv) <= 6 else int(sys.argv[6])
 
 
 class Churn(keras.layers.Layer):
@@ -131,5 +140,28 @@ def main(out_dir, epochs, window, threshold):
         }, f)
 
 
+def phases(root, window, threshold, plan):
+    global CHURN, BATCH
+    # kd.fit reads KERAS_DIST_SLOW_WORKER from os.environ at each call; a
+    # private copy, since setenv(3) is not safe beside TensorFlow's threads.
+    os.environ = dict(os.environ)
+    for phase in plan:
+        out_dir = os.path.join(root, phase["name"])
+        os.makedirs(out_dir, exist_ok=True)
+        CHURN, BATCH = phase.get("churn", 0), phase.get("batch", 64)
+        os.environ.pop("KERAS_DIST_SLOW_WORKER", None)
+        if phase.get("slow"):
+            os.environ["KERAS_DIST_SLOW_WORKER"] = phase["slow"]
+        if _cluster is not None and _cluster.task_type == "chief":
+            open(os.path.join(out_dir, "ready"), "w").close()
+            while not os.path.exists(os.path.join(out_dir, "go")):
+                time.sleep(0.05)
+            print(f"[phase] {phase['name']}", flush=True)
+        main(out_dir, phase["epochs"], window, threshold)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]))
+    if PHASES:
+        phases(sys.argv[1], int(sys.argv[3]), float(sys.argv[4]), json.loads(sys.argv[5]))
+    else:
+        main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]))
