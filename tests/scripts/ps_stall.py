@@ -3,10 +3,11 @@
 argv: out_dir epochs steps [steps_per_execution [local_steps [idle [mode]]]],
 mode "plain" (SGD with momentum), "dana" (`kd.optimizers.DANA`) or
 "easgd" (`elastic=0.5`, with local_steps); or, for several runs one after
-the other on the one cluster, `phases` "MODE:LOCAL,MODE:LOCAL,...": each a
-fit of a fresh model of its own with `steps` x LOCAL steps per epoch, in
-out_dir/MODE (its stop file and result.json there), announced by a line
-"phase MODE" before it starts. `epochs` is at most: training
+the other on the one cluster, `phases` PHASES_JSON: a list of {"name",
+"mode", "epochs", "steps", "per_call", "local", "idle"} (mode "plain",
+per_call, local 1 and idle 0 when left out), each a fit of a fresh model of
+its own in out_dir/NAME (its stop file and result.json there), announced
+by a line "phase NAME" before it starts. `epochs` is at most: training
 stops at the end of the first epoch that finds out_dir/stop (the test
 writes it once it has seen what it waits for). The
 chief writes out_dir/result.json: the parameter version after `fit`, the
@@ -78,17 +79,17 @@ def main(out_dir, epochs, steps, per_call=1, local=1, idle=0, mode="plain"):
                    "step_counts": counts}, f)
 
 
-def phases(out_dir, epochs, steps, per_call, spec):
-    for phase in spec.split(","):
-        mode, local = phase.split(":")
-        phase_dir = os.path.join(out_dir, mode)
+def phases(out_dir, plan):
+    for phase in plan:
+        phase_dir = os.path.join(out_dir, phase["name"])
         os.makedirs(phase_dir, exist_ok=True)
-        print(f"phase {mode}", flush=True)
-        main(phase_dir, epochs, steps * int(local), per_call, int(local), 0, mode)
+        print(f"phase {phase['name']}", flush=True)
+        main(phase_dir, phase["epochs"], phase["steps"], phase.get("per_call", 1),
+             phase.get("local", 1), phase.get("idle", 0), phase.get("mode", "plain"))
 
 
 if __name__ == "__main__":
     if sys.argv[2] == "phases":
-        phases(sys.argv[1], *[int(a) for a in sys.argv[3:6]], sys.argv[6])
+        phases(sys.argv[1], json.loads(sys.argv[3]))
     else:
         main(sys.argv[1], *[int(a) for a in sys.argv[2:7]], *sys.argv[7:])
