@@ -257,16 +257,22 @@ def shared_cluster(request, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def conformance_references(tmp_path_factory):
+def conformance_references(made_once):
     """Keras' own fit on one device for every model kind of the conformance
-    matrix (tests/conformance.py): {kind: record}, made once per process."""
+    matrix (tests/conformance.py): {kind: record}, made once per test run
+    (by the first xdist worker to ask; ~10 CPU-s) and read back as JSON."""
     import json
 
     import conformance
 
-    work = tmp_path_factory.mktemp("conformance_reference")
-    return {kind: json.loads(json.dumps(conformance.record(kind, conformance.keras_train, work)))
-            for kind in conformance.KINDS}
+    def make(folder):
+        records = {kind: conformance.record(kind, conformance.keras_train, folder)
+                   for kind in conformance.KINDS}
+        with open(os.path.join(folder, "references.json"), "w") as f:
+            json.dump(records, f)
+
+    with open(made_once("conformance_references", make) / "references.json") as f:
+        return json.load(f)
 
 
 @pytest.fixture
