@@ -123,11 +123,12 @@ def one_local_round(strategy, local, remote, x, y, k, rounds=1):
                for a, b in zip(local.weights, remote.weights))
 
 
-def run_script(tmp_path, script, *args, ps=1, timeout=300):
-    """Runs tests/scripts/<script> under `keras-dist-run --workers 2 --ps <ps>`
-    (out_dir `tmp_path`, then `args`); returns the chief's result.json and the
-    launcher's output, or fails with that output."""
-    cmd = [sys.executable, "-m", "keras_dist.cluster.launch", "--workers", "2", "--ps", str(ps),
+def run_script(tmp_path, script, *args, ps=1, workers=2, timeout=300):
+    """Runs tests/scripts/<script> under `keras-dist-run --workers <workers>
+    --ps <ps>` (out_dir `tmp_path`, then `args`); returns the chief's
+    result.json and the launcher's output, or fails with that output."""
+    cmd = [sys.executable, "-m", "keras_dist.cluster.launch", "--workers", str(workers),
+           "--ps", str(ps),
            "--", sys.executable, f"tests/scripts/{script}", str(tmp_path), *args]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
