@@ -51,6 +51,10 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "whole_machine: compares the CPU processes get; under xdist nothing "
                    "else runs beside it (tests/suite_plan.py)")
+    config.addinivalue_line(
+        "markers", "unit(name): the tests of a module marked with the same name share a "
+                   "module-scoped fixture (one cluster for all); under xdist one worker runs "
+                   "them, one after the other (tests/suite_plan.py)")
     if _xdist_worker(config):
         _run_dir = config.workerinput.get("keras_dist_run_dir")
         return

@@ -22,6 +22,11 @@ Work units (one worker runs all of a unit's tests, in order):
   own job);
 - the docs' Python blocks (test_docs_examples' `test_python_blocks`, a test
   per page): one unit, since one process runs every page's;
+- the tests of a module marked `@pytest.mark.unit(name)` with the same name:
+  one unit, run in a row, so the module-scoped fixture they share (one
+  cluster whose phases they check, e.g. test_stalls' duty cycles) is made
+  once (pytest tears a module's fixtures down when a test of another module
+  comes between);
 - every other test is a unit of its own.
 
 A `@pytest.mark.whole_machine` test (it compares the CPU two processes
@@ -75,6 +80,9 @@ def unit_of(item, shared_keys):
         return "shared_cluster"
     if module == "test_docs_examples" and item.originalname == "test_python_blocks":
         return DOCS_PYTHON
+    marker = item.get_closest_marker("unit")
+    if marker is not None:
+        return f"{module}:{marker.args[0]}"
     return None
 
 

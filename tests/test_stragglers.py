@@ -1,9 +1,10 @@
 """Straggler detection and per-replica metrics on real local clusters.
 
-The tests run `keras-dist-run` (asynchronous: chief, 2 workers, 1 ps, one
-cluster whose chief trains the three asynchronous cases in turn,
-`async_phases`; synchronous: 2 MultiWorkerMirrored workers, a run per test)
-with tests/scripts/straggler_train.py, and slow worker 1 the way real clusters
+The tests run `keras-dist-run` (asynchronous: chief, 2 workers, 1 ps;
+synchronous: 2 MultiWorkerMirrored workers) with
+tests/scripts/straggler_train.py, one cluster per shape training the cases
+in turn (`run_phases`; the CPU-hog case, which pins the workers to cores,
+has its own), and slow worker 1 the way real clusters
 do, from outside its process: stopped and continued on a duty cycle
 (`kd.testing.throttle`, what a container CPU quota does), or sharing its
 core with CPU-bound processes (`kd.testing.cpu_hog` + `pin_process`); or
@@ -19,6 +20,7 @@ import contextlib
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -40,15 +42,12 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.alone, pytest.mark.timeout(R
 WINDOW, THRESHOLD = 50, 0.2
 
 
-def run(tmp_path, *, ps, slow=None, epochs=8, outside=None, churn=0, threshold=THRESHOLD,
+def run(tmp_path, *, ps, epochs=8, outside=None, churn=0, threshold=THRESHOLD,
         batch=64, outside_from_epoch_2=False):
     """Runs the cluster; `outside(pids)` is entered once every task wrote
     its pid (a dict like {"worker1": 1234}), or with `outside_from_epoch_2`
     once the chief has finished its first epoch, and left when the run ends."""
-    env = dict(os.environ)
-    env.pop("KERAS_DIST_SLOW_WORKER", None)
-    if slow:
-        env["KERAS_DIST_SLOW_WORKER"] = slow
+    env = {k: v for k, v in os.environ.items() if k != "KERAS_DIST_SLOW_WORKER"}
     cmd = [sys.executable, "-m", "keras_dist.cluster.launch", "--workers", "2", "--ps", str(ps),
            "--", sys.executable, "tests/scripts/straggler_train.py", str(tmp_path),
            str(epochs), str(WINDOW), str(threshold), str(churn), str(batch)]
@@ -109,16 +108,19 @@ def sharing_a_core(pids, name, other, hogs=2):
 
 
 # The asynchronous tests train in turn on ONE cluster (chief, 2 workers,
-# 1 ps): a cluster's four TensorFlow processes cost more CPU to start than
-# a phase takes to train. Each phase trains a fresh model with a fresh
-# detector (kd.fit builds both), into its own folder; its slowdown from
-# outside starts before its training (or after its first epoch) and ends
-# with it, so none reaches the next phase.
+# 1 ps), and so do the MultiWorkerMirrored ones but the CPU-hog case (which
+# pins the workers to cores): a cluster's TensorFlow processes cost more CPU
+# to start than a phase takes to train. Each phase trains a fresh model
+# with a fresh detector (kd.fit builds both), into its own folder; its
+# slowdown from outside starts before its training (or after its first
+# epoch) and ends with it, so none reaches the next phase.
 ASYNC_PHASES = [  # (test, phase for the script, outside, outside_from_epoch_2)
-    # A worker 4x slower, in-graph. (10 epochs: the flag must come within
-    # two windows of each worker's steps, 2 x 50 x 2 = 200 = 10 x 20.)
+    # A worker 4x slower, in-graph: KERAS_DIST_SLOW_WORKER=1:4 given to the
+    # launcher, as docs/stragglers.md shows (the other phases unset it).
+    # (10 epochs: the flag must come within two windows of each worker's
+    # steps, 2 x 50 x 2 = 200 = 10 x 20.)
     ("test_async_slowed_worker_is_flagged_and_per_worker_metrics_add_up",
-     {"name": "slowed", "epochs": 10, "slow": "1:4"}, None, False),
+     {"name": "slowed", "epochs": 10, "slow": "launcher"}, None, False),
     # Stopped and continued from outside every 100 ms, 60% of it stopped.
     ("test_async_worker_throttled_from_outside_is_flagged",
      {"name": "throttled", "epochs": 12}, throttled("worker1", 0.1, 0.6), False),
@@ -126,48 +128,64 @@ ASYNC_PHASES = [  # (test, phase for the script, outside, outside_from_epoch_2)
     ("test_equal_workers_on_a_loaded_machine_are_never_flagged[async]",
      {"name": "equal", "epochs": 12, "churn": 20}, lambda pids: kd.testing.cpu_hog(1), True),
 ]
+MULTIWORKER_PHASES = [
+    # Replica 1 10x slower, in-graph. 4 epochs of 20 steps, 19 judged each
+    # (an epoch's first execution is not): the first full window is judged
+    # in epoch 3, slowed all along.
+    ("test_multiworker_slowed_replica_is_flagged_and_losses_average_to_keras",
+     {"name": "slowed", "epochs": 4, "slow": "1:10"}, None, False),
+    # Equal replicas, a CPU hog from the first epoch's end on: 6 epochs.
+    ("test_equal_workers_on_a_loaded_machine_are_never_flagged[multiworker]",
+     {"name": "equal", "epochs": 6}, lambda pids: kd.testing.cpu_hog(1), True),
+    # Worker 1 stopped half of every 100 ms (last: nothing follows it). 2
+    # epochs of 80 steps: 158 judged; the flag must come by step 100.
+    ("test_multiworker_worker_throttled_from_outside_is_flagged",
+     {"name": "throttled", "epochs": 2, "batch": 16}, throttled("worker1", 0.1, 0.5), False),
+]
 
 
-@pytest.fixture(scope="module")
-def async_phases(request, tmp_path_factory):
-    """{phase name: (result, what was printed during it, its folder)} for
-    the phases of the tests selected, run in turn on one cluster."""
-    root = tmp_path_factory.mktemp("stragglers_async")
+def run_phases(request, root, ps, phases, slow=None):
+    """Runs the `phases` (of PHASES lists above) of the tests selected in
+    turn on one cluster, the launcher given KERAS_DIST_SLOW_WORKER=`slow`;
+    {phase name: (result, what was printed during it, its folder)}."""
     selected = {item.name for item in request.session.items}
-    phases = [p for p in ASYNC_PHASES if p[0] in selected]
+    phases = [p for p in phases if p[0] in selected]
     plan = [phase for _, phase, _, _ in phases]
-    cmd = [sys.executable, "-m", "keras_dist.cluster.launch", "--workers", "2", "--ps", "1",
+    cmd = [sys.executable, "-m", "keras_dist.cluster.launch", "--workers", "2", "--ps", str(ps),
            "--", sys.executable, "tests/scripts/straggler_train.py", str(root), "phases",
            str(WINDOW), str(THRESHOLD), json.dumps(plan)]
     env = {k: v for k, v in os.environ.items() if k != "KERAS_DIST_SLOW_WORKER"}
-    with open(root / "out.txt", "w") as out, subprocess.Popen(
+    if slow:
+        env["KERAS_DIST_SLOW_WORKER"] = slow
+    log = root / "out.txt"
+    with open(log, "w") as out, subprocess.Popen(
             cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True) as proc:
         try:
-            pids = _pids(root, 4, proc)
+            pids = _pids(root, 4 if ps else 2, proc)
             for _, phase, outside, from_epoch_2 in phases:
                 folder = root / phase["name"]
-                _wait_for(folder / "ready", proc, log=root / "out.txt")
+                _wait_for(folder / "ready", proc, log=log)
                 with contextlib.ExitStack() as stack:
                     if outside is not None and not from_epoch_2:
                         stack.enter_context(outside(pids))
                     (folder / "go").touch()
                     if outside is not None and from_epoch_2:
-                        _wait_for(folder / "progress", proc, log=root / "out.txt")
+                        _wait_for(folder / "progress", proc, log=log)
                         stack.enter_context(outside(pids))
-                    _wait_for(folder / "result.json", proc, timeout=RUN_TIMEOUT,
-                              log=root / "out.txt")
+                    _wait_for(folder / "result.json", proc, timeout=RUN_TIMEOUT, log=log)
             proc.wait(timeout=120)
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, 9)
                 proc.wait()
-    output = (root / "out.txt").read_text()
+    output = log.read_text()
     assert proc.returncode == 0, output[-6000:]
     printed, name = {}, None  # the launcher's output, cut at the chief's phase lines
     for line in output.splitlines():
-        if line.startswith("[chief:0] [phase] "):
-            name = line.split()[-1]
+        found = re.match(r"\[(?:chief|worker):0\] \[phase\] (\w+)$", line)
+        if found:
+            name = found.group(1)
             printed[name] = []
         elif name is not None:
             printed[name].append(line)
@@ -177,6 +195,18 @@ def async_phases(request, tmp_path_factory):
             results[phase["name"]] = (json.load(f), "\n".join(printed.get(phase["name"], [])),
                                       root / phase["name"])
     return results
+
+
+@pytest.fixture(scope="module")
+def async_phases(request, tmp_path_factory):
+    return run_phases(request, tmp_path_factory.mktemp("stragglers_async"), 1, ASYNC_PHASES,
+                      slow="1:4")
+
+
+@pytest.fixture(scope="module")
+def multiworker_phases(request, tmp_path_factory):
+    return run_phases(request, tmp_path_factory.mktemp("stragglers_multiworker"), 0,
+                      MULTIWORKER_PHASES)
 
 
 def scalars(event_dir):
@@ -247,10 +277,9 @@ def test_async_slowed_worker_is_flagged_and_per_worker_metrics_add_up(async_phas
         assert {"staleness_mean", "staleness_max"} <= set(scalars(tmp_path / "tb" / name))
 
 
-def test_multiworker_slowed_replica_is_flagged_and_losses_average_to_keras(tmp_path):
-    # 4 epochs of 20 steps, 19 judged each (an epoch's first execution is
-    # not): the first full window is judged in epoch 3, slowed all along.
-    result, output = run(tmp_path, ps=0, slow="1:10", epochs=4)
+def test_multiworker_slowed_replica_is_flagged_and_losses_average_to_keras(
+        multiworker_phases):
+    result, output, tmp_path = multiworker_phases["slowed"]
     assert_flags_only(result, "replica1")
     history, totals = result["history"], result["totals"]
     assert history["straggler_cost/replica1"][-1] >= THRESHOLD / 2  # still flagged
@@ -269,7 +298,7 @@ def test_multiworker_slowed_replica_is_flagged_and_losses_average_to_keras(tmp_p
 
 
 # ------------------------------------------------- slowdowns from outside
-def test_multiworker_worker_throttled_from_outside_is_flagged(tmp_path):
+def test_multiworker_worker_throttled_from_outside_is_flagged(multiworker_phases):
     # Stopped and continued from outside: its computation is as fast as
     # ever when it runs, but the other worker waits for it at the all-reduce.
     # Half of every 100 ms: the period of the kernel's CPU quota (CFS), what
@@ -280,9 +309,8 @@ def test_multiworker_worker_throttled_from_outside_is_flagged(tmp_path):
     # detector, the same throttle, a cycle no quota uses, 40 s of the
     # suite's `alone` time; at 30% its cost swung between 0.06 and 0.36
     # across 50-step windows, which hold only one or two such cycles.)
-    # 2 epochs: 158 judged steps; the flag must come by step 100.
-    result, _ = run(tmp_path, ps=0, epochs=2, batch=16,
-                    outside=throttled("worker1", 0.1, 0.5))
+    # (MULTIWORKER_PHASES' "throttled".)
+    result, _, _ = multiworker_phases["throttled"]
     assert_flags_only(result, "replica1")
     # Worker 0 was never flagged (above); its last window's cost is the
     # noise two equal replicas trade on a shared machine, which the detector
@@ -334,7 +362,7 @@ def test_async_worker_throttled_from_outside_is_flagged(async_phases):
 
 
 @pytest.mark.parametrize("ps", [1, 0], ids=["async", "multiworker"])
-def test_equal_workers_on_a_loaded_machine_are_never_flagged(request, tmp_path, ps):
+def test_equal_workers_on_a_loaded_machine_are_never_flagged(request, ps):
     # A CPU-bound process competes with the cluster on this 2-core machine.
     # Asynchronous steps got about twice as fast (issue 12) and their epoch
     # boundaries cheaper (issue 34); CPU-bound work per step (20 matrix
@@ -345,11 +373,9 @@ def test_equal_workers_on_a_loaded_machine_are_never_flagged(request, tmp_path, 
     # only made the test longer: the detector judges nothing before a full
     # window). Asynchronous: 12 epochs x 20 steps shared by 2 workers;
     # synchronous: 6 epochs x 20 steps on each replica.
-    if ps:  # ASYNC_PHASES' "equal"
-        result, _, _ = request.getfixturevalue("async_phases")["equal"]
-    else:
-        result, _ = run(tmp_path, ps=0, epochs=6, outside=lambda pids: kd.testing.cpu_hog(1),
-                        outside_from_epoch_2=True)
+    # (ASYNC_PHASES' and MULTIWORKER_PHASES' "equal".)
+    phases = "async_phases" if ps else "multiworker_phases"
+    result, _, _ = request.getfixturevalue(phases)["equal"]
     # Every worker was judged at least twice over (each step from its 50th).
     assert min(result["counts"].values()) >= 2 * WINDOW
     assert result["events"] == [], result["events"]

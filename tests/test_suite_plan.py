@@ -24,7 +24,12 @@ class FakeItem:
         self.markers = set(markers)
 
     def get_closest_marker(self, name):
-        return object() if name in self.markers else None
+        for marker in self.markers:  # a name, or (name, argument) for `unit`
+            if marker == name:
+                return object()
+            if isinstance(marker, tuple) and marker[0] == name:
+                return types.SimpleNamespace(args=marker[1:])
+        return None
 
 
 def test_alone_tests_go_first_then_those_without_processes_then_clusters_longest_first():
@@ -51,6 +56,24 @@ def test_alone_tests_go_first_then_those_without_processes_then_clusters_longest
     assert named == {"tests/test_c.py::timed": "alone", "tests/test_d.py::timed_too": "alone",
                      "tests/test_b.py::shared_1": "shared_cluster",
                      "tests/test_b.py::shared_2": "shared_cluster"}
+
+
+def test_tests_marked_with_one_unit_run_in_a_row_on_one_worker():
+    """Their module-scoped fixture (one cluster for all) is then made once:
+    pytest tears it down when a test of another module comes between."""
+    items = [
+        FakeItem("test_a", "phase_1", "multiprocess", ("unit", "cycles")),
+        FakeItem("test_b", "other", "multiprocess"),
+        FakeItem("test_a", "phase_2", "multiprocess", ("unit", "cycles")),
+        FakeItem("test_c", "same_name_elsewhere", "multiprocess", ("unit", "cycles")),
+    ]
+    expected = {"tests/test_b.py::other": 50, "tests/test_a.py::phase_1": 20,
+                "tests/test_a.py::phase_2": 20, "tests/test_c.py::same_name_elsewhere": 30}
+    named = suite_plan.plan(items, set(), expected)
+    assert [i.name for i in items] == ["other", "phase_1", "phase_2", "same_name_elsewhere"]
+    assert named == {"tests/test_a.py::phase_1": "test_a:cycles",
+                     "tests/test_a.py::phase_2": "test_a:cycles",
+                     "tests/test_c.py::same_name_elsewhere": "test_c:cycles"}
 
 
 _TRY_SHARED = """

@@ -7,11 +7,12 @@ argv: out_dir epochs window threshold [churn, 0] [batch, 64]. With churn > 0 eac
 also does that many 256x256 matrix products with a fixed (non-trainable)
 matrix: CPU-bound steps without more gradients to all-reduce.
 
-argv: out_dir phases window threshold PHASES_JSON (parameter servers): one
-cluster, several trainings in turn. PHASES_JSON is a list of {"name",
+argv: out_dir phases window threshold PHASES_JSON: one cluster, several
+trainings in turn. PHASES_JSON is a list of {"name",
 "epochs", "churn", "batch", "slow"}; for each, the chief trains into
-out_dir/<name>/ as above, with KERAS_DIST_SLOW_WORKER set to "slow" (or
-unset), once the test has made out_dir/<name>/go (it writes
+out_dir/<name>/ as above, with KERAS_DIST_SLOW_WORKER set to "slow" (as
+the launcher passed it with "slow": "launcher"; unset without "slow"),
+once the test has made out_dir/<name>/go (it writes
 out_dir/<name>/ready first): the test starts and stops its slowdown from
 outside in between.
 """
@@ -145,14 +146,17 @@ def phases(root, window, threshold, plan):
     # kd.fit reads KERAS_DIST_SLOW_WORKER from os.environ at each call; a
     # private copy, since setenv(3) is not safe beside TensorFlow's threads.
     os.environ = dict(os.environ)
+    given = os.environ.get("KERAS_DIST_SLOW_WORKER")
     for phase in plan:
         out_dir = os.path.join(root, phase["name"])
         os.makedirs(out_dir, exist_ok=True)
         CHURN, BATCH = phase.get("churn", 0), phase.get("batch", 64)
         os.environ.pop("KERAS_DIST_SLOW_WORKER", None)
-        if phase.get("slow"):
-            os.environ["KERAS_DIST_SLOW_WORKER"] = phase["slow"]
-        if _cluster is not None and _cluster.task_type == "chief":
+        slow = given if phase.get("slow") == "launcher" else phase.get("slow")
+        if slow:
+            os.environ["KERAS_DIST_SLOW_WORKER"] = slow
+        if _cluster is not None and _cluster.is_chief:  # (worker 1 of a MultiWorkerMirrored
+            # job goes on into fit, where it waits for worker 0 at the first collective)
             open(os.path.join(out_dir, "ready"), "w").close()
             while not os.path.exists(os.path.join(out_dir, "go")):
                 time.sleep(0.05)
