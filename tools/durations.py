@@ -82,10 +82,12 @@ def markdown(data, top=40):
         f"- The CPU bound: {cpu:.0f} CPU-s on {cores} cores take at least {cpu / cores:.0f} s "
         f"whatever the scheduling. The {len(heavy)} tests of 10 CPU-s or more (clusters, "
         f"launcher runs, scripts in fresh processes) use {heavy_cpu:.0f} of them; a Python "
-        "process costs about 6 CPU-s to `import tensorflow` (which imports Keras and, through "
-        "`keras.wrappers`, scikit-learn and SciPy; with ml_dtypes < 0.7: constraints.txt), and a "
-        "cluster task 7-9 CPU-s before it trains (the median of ~150 in one run, sampled "
-        "from /proc): fewer processes is what makes the suite faster.",
+        "process costs about 5 CPU-s to `import tensorflow` (which imports Keras and, through "
+        "`keras.wrappers`, scikit-learn and SciPy; with ml_dtypes < 0.7 and scipy < 1.16: "
+        "constraints.txt), and a cluster task 7-9 CPU-s before it trains (the median of ~150 "
+        "in one run, sampled from /proc): fewer processes is what makes the suite faster; "
+        "tests that share a cluster train its phases in turn (e.g. test_stalls, "
+        "test_stragglers, the shared parameter-server cluster).",
         "",
         f"## The {top} slowest tests",
         "",
