@@ -158,7 +158,10 @@ def phases(root, window, threshold, plan):
         if _cluster is not None and _cluster.is_chief:  # (worker 1 of a MultiWorkerMirrored
             # job goes on into fit, where it waits for worker 0 at the first collective)
             open(os.path.join(out_dir, "ready"), "w").close()
+            deadline = time.monotonic() + 600  # a test that died never says go
             while not os.path.exists(os.path.join(out_dir, "go")):
+                if time.monotonic() > deadline:
+                    sys.exit(f"no {os.path.join(out_dir, 'go')} within 600 s")
                 time.sleep(0.05)
             print(f"[phase] {phase['name']}", flush=True)
         main(out_dir, phase["epochs"], window, threshold)
