@@ -8,6 +8,7 @@ lands (or is rerun elsewhere once the worker is declared lost), and every
 step is accounted for exactly (`model.step_counts`).
 """
 
+import contextlib
 import json
 import os
 import re
@@ -100,14 +101,34 @@ class Cluster:
         self.until(lambda: name in self.phases
                     and len(self.epoch_ends) >= self.phases[name] + epochs, timeout)
 
+    @contextlib.contextmanager
+    def ended(self):
+        """Whatever happens inside (a failed wait), the run is over after it:
+        the launcher and every task it started (each a session of its own;
+        a stopped worker too) killed if still there."""
+        try:
+            yield
+        finally:
+            self.kill()
+
+    def kill(self):
+        if self.proc.poll() is not None:
+            return
+        groups = [self.proc.pid] + [int(p) for p in re.findall(r"started \w+:\d+ \(pid (\d+)\)",
+                                                               self.output)]
+        for group in groups:
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self.proc.wait()
+
     def finish(self, timeout):
         """Waits for the run to end, and fails unless it ended well."""
         try:
             self.proc.wait(timeout)
         finally:
-            if self.proc.poll() is None:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+            self.kill()
             self._reader.join(10)
         assert self.proc.returncode == 0, self.output[-6000:]
 
@@ -161,6 +182,11 @@ def stops(request, tmp_path_factory):
     plan = _plan(request, STOP_PHASES)
     names = [phase["name"] for phase in plan]
     cluster = Cluster(tmp_path_factory.mktemp("stalls"), "phases", json.dumps(plan))
+    with cluster.ended():
+        return cluster, _stop_phases(cluster, names)
+
+
+def _stop_phases(cluster, names):
     times, worker1 = {}, None
     if "stall" in names:
         cluster.wait_for_phase("stall", 3)
@@ -193,7 +219,7 @@ def stops(request, tmp_path_factory):
     if "plain" in names:  # seconds from the stop for good to the run's end
         times["plain"] = time.monotonic() - stopped_at
     assert cluster.pid("worker:1") == worker1  # the same process throughout
-    return cluster, times
+    return times
 
 
 @pytest.mark.alone
@@ -304,11 +330,12 @@ DUTY_PHASES = [
 def duty_cycles(request, tmp_path_factory):
     plan = _plan(request, DUTY_PHASES)
     cluster = Cluster(tmp_path_factory.mktemp("duty_cycles"), "phases", json.dumps(plan))
-    for phase in plan:
-        cluster.wait_for_phase(phase["name"], 1)
-        with kd.testing.throttle(cluster.pid("worker:1"), period=0.1, stopped=0.75):
-            cluster.wait_for_file(cluster.tmp_path / phase["name"] / "result.json")
-    cluster.finish(timeout=240)
+    with cluster.ended():
+        for phase in plan:
+            cluster.wait_for_phase(phase["name"], 1)
+            with kd.testing.throttle(cluster.pid("worker:1"), period=0.1, stopped=0.75):
+                cluster.wait_for_file(cluster.tmp_path / phase["name"] / "result.json")
+        cluster.finish(timeout=240)
     return cluster
 
 

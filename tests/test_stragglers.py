@@ -21,6 +21,7 @@ import glob
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -64,13 +65,24 @@ def run(tmp_path, *, ps, epochs=8, outside=None, churn=0, threshold=THRESHOLD,
                     stack.enter_context(outside(pids))
                 proc.wait(timeout=RUN_TIMEOUT)
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, 9)
-                proc.wait()
+            _kill(proc, tmp_path)
     output = (tmp_path / "out.txt").read_text()
     assert proc.returncode == 0, output[-6000:]
     with open(tmp_path / "result.json") as f:
         return json.load(f), output
+
+
+def _kill(proc, folder):
+    """Ends a run that is still going: the launcher and each task (a session
+    of its own, its pid in `folder`/pid.*; a stopped one too)."""
+    if proc.poll() is not None:
+        return
+    for group in [str(proc.pid)] + [open(p).read() for p in glob.glob(str(folder / "pid.*"))]:
+        try:
+            os.killpg(int(group), signal.SIGKILL)
+        except (ProcessLookupError, PermissionError, ValueError):  # gone, or half written
+            pass
+    proc.wait()
 
 
 def _pids(tmp_path, tasks, proc, timeout=120):
@@ -176,9 +188,7 @@ def run_phases(request, root, ps, phases, slow=None):
                     _wait_for(folder / "result.json", proc, timeout=RUN_TIMEOUT, log=log)
             proc.wait(timeout=120)
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, 9)
-                proc.wait()
+            _kill(proc, root)
     output = log.read_text()
     assert proc.returncode == 0, output[-6000:]
     printed, name = {}, None  # the launcher's output, cut at the chief's phase lines
