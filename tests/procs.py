@@ -214,6 +214,20 @@ def kill_groups(procs):
             pass
 
 
+def end_run(proc, task_pids):
+    """Ends a launcher run that is still going: the launcher's process group
+    and each task's (`task_pids`; the launcher starts every task in a
+    session of its own, so they outlive its group; a SIGSTOPped one too)."""
+    if proc.poll() is not None:
+        return
+    for group in [proc.pid, *task_pids]:
+        try:
+            os.killpg(int(group), signal.SIGKILL)
+        except (ProcessLookupError, PermissionError, ValueError):  # gone, or half written
+            pass
+    proc.wait()
+
+
 def run_workers(tmp_path, script, *, timeout, workers=2, env_extra=None):
     """Runs tests/scripts/<script> (argv: out_dir `tmp_path`) as every task of
     a local MultiWorkerMirrored cluster of `workers` workers, each with

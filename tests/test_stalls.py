@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import keras_dist as kd
-from procs import ASYNC_LEARNS, REPO, check_counts
+from procs import ASYNC_LEARNS, REPO, check_counts, end_run
 
 # `alone`: what these assert is timed (epochs while a worker is stopped
 # against epochs before; no epoch waited for it), except the duty cycles,
@@ -112,16 +112,7 @@ class Cluster:
             self.kill()
 
     def kill(self):
-        if self.proc.poll() is not None:
-            return
-        groups = [self.proc.pid] + [int(p) for p in re.findall(r"started \w+:\d+ \(pid (\d+)\)",
-                                                               self.output)]
-        for group in groups:
-            try:
-                os.killpg(group, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        self.proc.wait()
+        end_run(self.proc, re.findall(r"started \w+:\d+ \(pid (\d+)\)", self.output))
 
     def finish(self, timeout):
         """Waits for the run to end, and fails unless it ended well."""

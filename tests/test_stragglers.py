@@ -21,7 +21,6 @@ import glob
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -31,7 +30,7 @@ import pytest
 import tensorflow as tf
 
 import keras_dist as kd
-from procs import REPO, check_counts
+from procs import REPO, check_counts, end_run
 
 # The CPU-hog case took 182 s in a fresh-clone run on a 2-core machine
 # whose host was oversubscribed (CI, 2026-12-04): room for a loaded host on top.
@@ -73,16 +72,8 @@ def run(tmp_path, *, ps, epochs=8, outside=None, churn=0, threshold=THRESHOLD,
 
 
 def _kill(proc, folder):
-    """Ends a run that is still going: the launcher and each task (a session
-    of its own, its pid in `folder`/pid.*; a stopped one too)."""
-    if proc.poll() is not None:
-        return
-    for group in [str(proc.pid)] + [open(p).read() for p in glob.glob(str(folder / "pid.*"))]:
-        try:
-            os.killpg(int(group), signal.SIGKILL)
-        except (ProcessLookupError, PermissionError, ValueError):  # gone, or half written
-            pass
-    proc.wait()
+    """Ends a run still going: the launcher and each task (pids in folder/pid.*)."""
+    end_run(proc, [open(p).read() for p in glob.glob(str(folder / "pid.*"))])
 
 
 def _pids(tmp_path, tasks, proc, timeout=120):
